@@ -1,0 +1,114 @@
+"""Build a per-rank EngineLayout from a model-level description (TOML tables, demo flags)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvsvc.errors import InvalidArgument
+from kvsvc.layout.engine import EngineLayout, KVCacheGroup, KvMemoryLayout, RegionLayout, per_rank_heads
+from kvsvc.layout.specs import (
+    DType,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+GROUP_KINDS = ("full_attention", "sliding_window", "mla", "mamba", "uniform")
+
+
+def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType) -> KVCacheSpec:
+    kind = d.get("kind", "full_attention")
+    dt = DType.parse(d["dtype"]) if "dtype" in d else dtype
+    if kind == "full_attention":
+        return FullAttentionSpec(block, heads, int(d.get("head_size", 64)), dt, int(d.get("head_size_v", 0)))
+    if kind == "sliding_window":
+        return SlidingWindowSpec(block, heads, int(d.get("head_size", 64)), dt, int(d.get("sliding_window", 128)))
+    if kind == "mla":
+        return MLAAttentionSpec(block, 1, int(d.get("head_size", 576)), dt)
+    if kind == "mamba":
+        states = d.get("states", [{"shape": [8, 16]}])
+        shapes = []
+        for st in states:
+            full = [int(x) for x in st["shape"]]
+            if full[0] % tp_size:
+                raise InvalidArgument(
+                    "TP_NOT_DIVISIBLE",
+                    f"mamba state dim 0 ({full[0]}) is not divisible by TP {tp_size}",
+                    {"state_dim0": full[0], "tp_size": tp_size},
+                )
+            shapes.append((full[0] // tp_size, *full[1:]))
+        dtypes = tuple(DType.parse(st["dtype"]) if "dtype" in st else dt for st in states)
+        return MambaSpec(block, tuple(shapes), dtypes)
+    raise InvalidArgument("UNKNOWN_SPEC_TYPE", f"unknown group kind {kind!r}; use one of {GROUP_KINDS}", {"kind": kind})
+
+
+def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
+    """Per-rank layout for TP size tp_size from a model-level table (see README, Config).
+
+    Groups give kind, num_layers and head sizes of the whole model; per-rank head counts
+    and sharded Mamba state shapes follow from total_num_kv_heads and tp_size.
+    """
+    if tp_size <= 0:
+        raise InvalidArgument("INVALID_TP_SIZE", f"tp_size must be positive, got {tp_size}", {"tp_size": tp_size})
+    k = int(d.get("total_num_kv_heads", 8))
+    block = int(d.get("block_size", 16))
+    dtype = DType.parse(str(d.get("dtype", "bfloat16")))
+    heads = per_rank_heads(k, tp_size)
+    groups: list[KVCacheGroup] = []
+    layer_no = 0
+    for gi, g in enumerate(d.get("groups", [{"kind": "full_attention", "num_layers": 2}])):
+        name = str(g.get("name", f"g{gi}"))
+        if g.get("kind") == "uniform":
+            inner: list[tuple[str, KVCacheSpec]] = []
+            for ld in g.get("layers", []):
+                inner.append((f"layers.{layer_no}", _leaf_spec(ld, heads=heads, tp_size=tp_size, block=block, dtype=dtype)))
+                layer_no += 1
+            groups.append(KVCacheGroup(name, UniformTypeKVCacheSpecs(block, tuple(inner))))
+            continue
+        spec = _leaf_spec(g, heads=heads, tp_size=tp_size, block=block, dtype=dtype)
+        n = int(g.get("num_layers", 1))
+        groups.append(KVCacheGroup(name, spec, tuple(f"layers.{layer_no + i}" for i in range(n))))
+        layer_no += n
+    layout = EngineLayout(
+        model_id=str(d.get("model_id", "kvsvc-tiny")),
+        total_num_kv_heads=k,
+        block_size=block,
+        num_blocks=int(d.get("num_blocks", 64)),
+        groups=tuple(groups),
+        kv_memory_layout=KvMemoryLayout(str(d.get("kv_memory_layout", "HND")).upper()),
+        region_layout=RegionLayout(str(d.get("region_layout", "split_kv")).lower()),
+    )
+    layout.validate(tp_size)
+    return layout
+
+
+def simple_layout(
+    *,
+    tp_size: int,
+    kv_heads: int = 8,
+    num_layers: int = 2,
+    head_size: int = 64,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    mla: bool = False,
+    dtype: str = "bfloat16",
+    model_id: str = "kvsvc-tiny",
+    extra_groups: Sequence[Mapping[str, Any]] = (),
+    kv_memory_layout: str = "HND",
+    region_layout: str = "split_kv",
+) -> EngineLayout:
+    """A one-group GQA or MLA layout (plus extra groups): the demo's and tests' shorthand."""
+    main = {"name": "mla" if mla else "full", "kind": "mla" if mla else "full_attention",
+            "num_layers": num_layers, "head_size": head_size}
+    return layout_from_dict(
+        {
+            "model_id": model_id, "total_num_kv_heads": kv_heads, "block_size": block_size,
+            "num_blocks": num_blocks, "dtype": dtype, "groups": [main, *extra_groups],
+            "kv_memory_layout": kv_memory_layout, "region_layout": region_layout,
+        },
+        tp_size,
+    )

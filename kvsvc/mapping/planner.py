@@ -1,0 +1,154 @@
+"""Plan one local rank's reads for one request: mapping + geometry + prefix trimming."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.layout.compat import check_compatibility
+from kvsvc.layout.engine import EngineLayout
+from kvsvc.layout.regions import PoolLayout, build_pool_layout
+from kvsvc.layout.specs import SpecFamily
+from kvsvc.mapping.geometry import Reads, attention_units, check_block_ids, coalesce, ssm_units
+from kvsvc.mapping.topology import TransferTopology, handshake_target_ranks, tp_ratio
+from kvsvc.mapping.tp_mapping import TPMapping, compute_tp_mapping
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One engine's side of a transfer: its layout, TP size and (derived) pool layout."""
+
+    layout: EngineLayout
+    tp_size: int
+    pool: PoolLayout
+
+    @classmethod
+    def of(cls, layout: EngineLayout, tp_size: int) -> Side:
+        return cls(layout, tp_size, build_pool_layout(layout))
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """What one local rank reads: per source rank, coalesced byte ranges."""
+
+    local_rank: int
+    tp_ratio: int
+    handshake_target_ranks: tuple[int, ...]
+    mapping: TPMapping
+    reads: tuple[Reads, ...]
+    prefix_blocks_skipped: tuple[int, ...]
+
+    @property
+    def notify_only_ranks(self) -> tuple[int, ...]:
+        """Handshake targets read from for no group: they are still notified (P-side id)."""
+        read = {r.remote_rank for r in self.reads if r.num_descriptors}
+        return tuple(r for r in self.handshake_target_ranks if r not in read)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for r in self.reads)
+
+
+def validate_pair(local: Side, remote: Side) -> None:
+    """FAILED_PRECONDITION listing every violated compatibility rule."""
+    violations = check_compatibility(local.layout, local.tp_size, remote.layout, remote.tp_size)
+    if violations:
+        first = violations[0]
+        meta = dict(first.metadata)
+        meta["violations"] = ",".join(v.reason for v in violations)
+        raise FailedPrecondition(
+            first.reason if len(violations) == 1 else violations[0].reason,
+            "incompatible layouts: " + "; ".join(f"[{v.reason}] {v.message}" for v in violations),
+            meta,
+            details=tuple(violations),
+        )
+
+
+def _as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+def trim_prefix(local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int, *, group: int, ssm: bool) -> tuple[np.ndarray, int]:
+    """The remote ids to read and how many local blocks the prefix hit skipped.
+
+    A local list shorter than the remote data means the local side already holds a
+    prefix (whole local blocks): only the tail of the remote list is read.
+    """
+    if ssm:
+        if local_ids.size != remote_ids.size:
+            raise InvalidArgument(
+                "BLOCK_COUNT_MISMATCH",
+                f"SSM group {group} needs one local block per remote block: {local_ids.size} vs {remote_ids.size}",
+                {"group": group, "local_blocks": local_ids.size, "remote_blocks": remote_ids.size},
+            )
+        return remote_ids, 0
+    needed = -(-remote_ids.size // ratio)
+    if local_ids.size > needed:
+        raise InvalidArgument(
+            "BLOCK_COUNT_MISMATCH",
+            f"group {group}: {local_ids.size} local blocks but the remote holds only {remote_ids.size} blocks "
+            f"({needed} local blocks of {ratio} remote ones)",
+            {"group": group, "local_blocks": local_ids.size, "remote_blocks": remote_ids.size, "block_ratio": ratio},
+        )
+    prefix = needed - local_ids.size
+    return remote_ids[prefix * ratio:], prefix
+
+
+def plan_rank(
+    local: Side,
+    remote: Side,
+    local_rank: int,
+    local_block_ids: Sequence[Sequence[int] | np.ndarray],
+    remote_block_ids: Sequence[Sequence[int] | np.ndarray],
+    *,
+    validated: bool = False,
+) -> RankPlan:
+    """The reads of local_rank; raises InvalidArgument / FailedPrecondition on bad input."""
+    if not validated:
+        validate_pair(local, remote)
+    lay, rlay = local.layout, remote.layout
+    ngroups = len(lay.groups)
+    for name, given in (("local", local_block_ids), ("remote", remote_block_ids)):
+        if len(given) != ngroups:
+            raise InvalidArgument(
+                "UNKNOWN_GROUP",
+                f"{name} block ids name {len(given)} groups but the layout has {ngroups}",
+                {"side": name, "given_groups": len(given), "layout_groups": ngroups},
+            )
+    ratio = tp_ratio(local.tp_size, remote.tp_size)
+    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size)
+    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types)
+    n = lay.block_size // rlay.block_size
+    ids: list[tuple[np.ndarray, np.ndarray]] = []
+    skipped: list[int] = []
+    for g in range(ngroups):
+        lids, rids = _as_ids(local_block_ids[g]), _as_ids(remote_block_ids[g])
+        check_block_ids(lids, lay.num_blocks, side="local", group=g)
+        check_block_ids(rids, rlay.num_blocks, side="remote", group=g)
+        ssm = lay.groups[g].family is SpecFamily.SSM
+        rids, prefix = trim_prefix(lids, rids, 1 if ssm else n, group=g, ssm=ssm)
+        ids.append((lids, rids))
+        skipped.append(prefix)
+    per_rank: dict[int, list] = {}
+    for a, b in zip(local.pool.regions, remote.pool.regions, strict=True):
+        g = a.group_index
+        lids, rids = ids[g]
+        if lids.size == 0:
+            continue
+        sources = mapping.source_ranks_per_group[g]
+        if a.is_ssm:
+            units = ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size)
+        else:
+            units = attention_units(a, b, lids, rids, n, mapping, sources, ratio)
+        for r, u in units.items():
+            per_rank.setdefault(r, []).append(u)
+    reads = tuple(coalesce(r, per_rank[r]) for r in sorted(per_rank))
+    targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size))
+    return RankPlan(local_rank, ratio, targets, mapping, reads, tuple(skipped))

@@ -1,0 +1,54 @@
+"""Release accounting on P: which D ranks must notify before a P rank frees a request (§7)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvsvc.mapping.topology import tp_ratio
+
+
+def expected_notifiers(remote_rank: int, local_tp_size: int, remote_tp_size: int) -> frozenset[int]:
+    """The local (D) ranks whose handshake targets include remote (P) rank remote_rank.
+
+    Readers and notify-only ranks alike: L // R of them when L > R, else exactly one.
+    Generalises vLLM's "request:tp_size" count, and covers P ranks that GQA dedup skips.
+    """
+    ratio = tp_ratio(local_tp_size, remote_tp_size)
+    if ratio > 0:
+        return frozenset(range(remote_rank * ratio, (remote_rank + 1) * ratio))
+    return frozenset([remote_rank // -ratio])
+
+
+class ReleaseTracker:
+    """Per request on P: the D ranks still owed, per hosted P rank.
+
+    Built when D (TP size d_tp) claims; notify() marks D ranks done and returns the P
+    ranks that became free. done is True once every hosted P rank is free.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, hosted_p_ranks: Iterable[int], d_tp_size: int, p_tp_size: int) -> None:
+        self._pending: dict[int, set[int]] = {
+            p: set(expected_notifiers(p, d_tp_size, p_tp_size)) for p in hosted_p_ranks
+        }
+
+    def notify(self, d_ranks: Iterable[int]) -> list[int]:
+        """Record that d_ranks are done; return the P ranks released by this call."""
+        done = set(d_ranks)
+        freed = []
+        for p, pending in self._pending.items():
+            if pending and pending & done:
+                pending -= done
+                if not pending:
+                    freed.append(p)
+        return freed
+
+    @property
+    def done(self) -> bool:
+        return all(not p for p in self._pending.values())
+
+    @property
+    def pending_d_ranks(self) -> list[int]:
+        return sorted(set().union(*self._pending.values())) if self._pending else []
+
