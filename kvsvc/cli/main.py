@@ -1,0 +1,110 @@
+"""`kvsvc serve | info | demo | bench`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvsvc.config import MemoryMode, Role, load_config
+    from kvsvc.service.server import run
+
+    cfg = load_config(
+        args.config, listen=args.listen, engine_id=args.engine_id,
+        role=Role(args.role) if args.role else None, tp_size=args.tp_size,
+        ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
+        memory=MemoryMode(args.memory) if args.memory else None,
+        advertised_address=args.advertise,
+    )
+    if args.layout_json:
+        import json
+
+        from dataclasses import replace
+
+        cfg = replace(cfg, layout_table=json.loads(args.layout_json))
+        cfg.validate()
+    run(cfg)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from kvsvc.cli.info import print_info
+
+    return print_info(args.address, timeout_s=args.timeout)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvsvc.cli.demo import run_demo
+
+    return run_demo(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvsvc.cli.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated inference")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run a server (defaults: 127.0.0.1:50051, a tiny built-in layout)")
+    s.add_argument("--config", help="TOML file with [server] and [layout] tables")
+    s.add_argument("--listen", help="host:port to bind (port 0: any free port)")
+    s.add_argument("--advertise", help="address peers should dial")
+    s.add_argument("--engine-id")
+    s.add_argument("--role", choices=["prefill", "decode", "both"])
+    s.add_argument("--tp-size", type=int)
+    s.add_argument("--ranks", help="hosted TP ranks, comma-separated (default: all)")
+    s.add_argument("--memory", choices=["dram", "vram", "none"], help="where pools live (none: control plane only)")
+    s.add_argument("--layout-json", help="the [layout] table as JSON (overrides the config file)")
+    s.set_defaults(func=_serve)
+
+    i = sub.add_parser("info", help="print a server's GetInfo readably")
+    i.add_argument("address", nargs="?", default="127.0.0.1:50051")
+    i.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    i.set_defaults(func=_info)
+
+    d = sub.add_parser("demo", help="a real P->D transfer between two server processes on loopback")
+    d.add_argument("--prefill-tp", type=int, default=2)
+    d.add_argument("--decode-tp", type=int, default=1)
+    d.add_argument("--kv-heads", type=int, default=8)
+    d.add_argument("--head-size", type=int, default=128)
+    d.add_argument("--mla", action="store_true", help="an MLA layout (one latent head per token)")
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--blocks", type=int, default=64, help="blocks per request")
+    d.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    d.add_argument("--dtype", default="bfloat16")
+    d.add_argument("--quiet", action="store_true")
+    d.set_defaults(func=_demo)
+
+    b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side")
+    b.add_argument("--json", help="write the figures here")
+    b.add_argument("--runs", type=int, default=5)
+    b.add_argument("--blocks", type=int, default=256)
+    b.add_argument("--layers", type=int, default=4)
+    b.set_defaults(func=_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvsvc.errors import KvsvcError
+
+    try:
+        return int(args.func(args) or 0)
+    except KvsvcError as e:
+        print(f"kvsvc: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

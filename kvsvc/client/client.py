@@ -1,0 +1,197 @@
+"""AsyncClient / Client: one method per RPC, deadlines, retries on UNAVAILABLE only."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kvsvc.client.errors import error_from_rpc
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a client dials and retries."""
+
+    timeout_s: float = 30.0
+    """Default deadline of one call, seconds."""
+    retries: int = 3
+    """Extra attempts on UNAVAILABLE (never on other codes: those are answers)."""
+    backoff_s: float = 0.05
+    """First retry delay, seconds; doubles each attempt, with jitter."""
+    keepalive_time_ms: int = 30_000
+    """Ping interval; the server permits pings every 10 s or slower."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest message sent or received, bytes."""
+    tls_root_certs: bytes | None = None
+    """PEM roots; set (with the optional client pair) for a TLS channel."""
+    tls_client_cert: bytes | None = None
+    """PEM client certificate for mTLS."""
+    tls_client_key: bytes | None = None
+    """PEM client key for mTLS."""
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls_root_certs is None:
+            return None
+        return grpc.ssl_channel_credentials(self.tls_root_certs, self.tls_client_key, self.tls_client_cert)
+
+
+def _blocks(ids_per_group: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(block_ids=[int(b) for b in ids]) for ids in ids_per_group]
+
+
+class AsyncClient:
+    """kvsvc.v1 over grpc.aio. Use `async with AsyncClient(addr) as c:`."""
+
+    def __init__(self, address: str, options: ClientOptions | None = None) -> None:
+        self.address = address
+        self.options = options or ClientOptions()
+        creds = self.options.credentials()
+        opts = self.options.channel_options()
+        self._channel = (grpc.aio.secure_channel(address, creds, opts) if creds
+                         else grpc.aio.insecure_channel(address, opts))
+        self._stub = pb_grpc.KvTransferServiceStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None) -> Any:
+        delay = self.options.backoff_s
+        for attempt in range(self.options.retries + 1):
+            try:
+                return await rpc(request, timeout=timeout_s or self.options.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.options.retries:
+                    raise error_from_rpc(e) from None
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    async def get_info(self, *, timeout_s: float | None = None) -> pb.GetInfoResponse:
+        return await self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout_s)  # type: ignore[no-any-return]
+
+    async def handshake(self, request: pb.HandshakeRequest, *, timeout_s: float | None = None) -> pb.HandshakeResponse:
+        return await self._call(self._stub.Handshake, request, timeout_s)  # type: ignore[no-any-return]
+
+    async def publish_blocks(
+        self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], *, lease_ttl_ms: int = 0,
+        timeout_s: float | None = None,
+    ) -> pb.PublishBlocksResponse:
+        req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=_blocks(block_ids_per_group),
+                                      lease_ttl_ms=lease_ttl_ms)
+        return await self._call(self._stub.PublishBlocks, req, timeout_s)  # type: ignore[no-any-return]
+
+    async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None) -> pb.ClaimLeaseResponse:
+        return await self._call(self._stub.ClaimLease, request, timeout_s)  # type: ignore[no-any-return]
+
+    async def plan_transfer(self, request: pb.PlanTransferRequest, *, timeout_s: float | None = None) -> pb.PlanTransferResponse:
+        return await self._call(self._stub.PlanTransfer, request, timeout_s)  # type: ignore[no-any-return]
+
+    async def transfer(
+        self, request_id: str, params: pb.TransferParams, local_block_ids_per_group: Sequence[Sequence[int]],
+        *, timeout_s: float | None = None,
+    ) -> pb.TransferResponse:
+        req = pb.TransferRequest(request_id=request_id, params=params,
+                                 local_block_ids_per_group=_blocks(local_block_ids_per_group))
+        return await self._call(self._stub.Transfer, req, timeout_s)  # type: ignore[no-any-return]
+
+    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
+        return await self._call(self._stub.Notify, request, timeout_s)  # type: ignore[no-any-return]
+
+    async def watch_releases(self) -> AsyncIterator[pb.WatchReleasesResponse]:
+        """Stream released requests until the server or the caller ends it."""
+        call = self._stub.WatchReleases(pb.WatchReleasesRequest())
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise error_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+
+class Client:
+    """Blocking twin of AsyncClient, for scripts and engines without an event loop."""
+
+    def __init__(self, address: str, options: ClientOptions | None = None) -> None:
+        self._runner = asyncio.Runner()
+        self._async = self._runner.run(self._make(address, options))
+
+    @staticmethod
+    async def _make(address: str, options: ClientOptions | None) -> AsyncClient:
+        return AsyncClient(address, options)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._runner.run(self._async.close())
+        self._runner.close()
+
+    def get_info(self, **kw: Any) -> pb.GetInfoResponse:
+        return self._runner.run(self._async.get_info(**kw))
+
+    def handshake(self, request: pb.HandshakeRequest, **kw: Any) -> pb.HandshakeResponse:
+        return self._runner.run(self._async.handshake(request, **kw))
+
+    def publish_blocks(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], **kw: Any) -> pb.PublishBlocksResponse:
+        return self._runner.run(self._async.publish_blocks(request_id, block_ids_per_group, **kw))
+
+    def claim_lease(self, request: pb.ClaimLeaseRequest, **kw: Any) -> pb.ClaimLeaseResponse:
+        return self._runner.run(self._async.claim_lease(request, **kw))
+
+    def plan_transfer(self, request: pb.PlanTransferRequest, **kw: Any) -> pb.PlanTransferResponse:
+        return self._runner.run(self._async.plan_transfer(request, **kw))
+
+    def transfer(self, request_id: str, params: pb.TransferParams,
+                 local_block_ids_per_group: Sequence[Sequence[int]], **kw: Any) -> pb.TransferResponse:
+        return self._runner.run(self._async.transfer(request_id, params, local_block_ids_per_group, **kw))
+
+    def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
+        return self._runner.run(self._async.notify(request, **kw))
+
+    def watch_releases(self, max_events: int, timeout_s: float) -> list[pb.WatchReleasesResponse]:
+        """Collect up to max_events releases, waiting at most timeout_s seconds."""
+
+        async def collect() -> list[pb.WatchReleasesResponse]:
+            out: list[pb.WatchReleasesResponse] = []
+
+            async def take() -> None:
+                async for ev in self._async.watch_releases():
+                    out.append(ev)
+                    if len(out) >= max_events:
+                        return
+
+            try:
+                await asyncio.wait_for(take(), timeout_s)
+            except TimeoutError:
+                pass
+            return out
+
+        return self._runner.run(collect())

@@ -1,0 +1,59 @@
+"""grpc errors -> kvsvc errors: the reason, metadata and details of the server's google.rpc.Status."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from kvsvc.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    FailedPrecondition,
+    FieldViolation,
+    Internal,
+    InvalidArgument,
+    KvsvcError,
+    NotFound,
+    Unavailable,
+)
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+_BY_CODE: dict[grpc.StatusCode, type[KvsvcError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def error_from_rpc(err: grpc.RpcError) -> KvsvcError:
+    """The KvsvcError for a failed call, with ErrorInfo reason/metadata and extra details."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    reason, metadata, violations, details = code.name, {}, [], []
+    message = err.details() if hasattr(err, "details") else str(err)
+    status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None  # type: ignore[arg-type]
+    if status is not None:
+        message = status.message
+        for any_msg in status.details:
+            if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                any_msg.Unpack(info)
+                reason, metadata = info.reason, dict(info.metadata)
+            elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                any_msg.Unpack(bad)
+                violations = [FieldViolation(v.field, v.description) for v in bad.field_violations]
+            elif any_msg.Is(pb.TransferFailure.DESCRIPTOR):
+                failure: Message = pb.TransferFailure()
+                any_msg.Unpack(failure)
+                details.append(failure)
+    cls = _BY_CODE.get(code, KvsvcError)
+    fallback = ErrorCode[code.name] if code.name in ErrorCode.__members__ else ErrorCode.INTERNAL
+    e = cls(reason, message or "", metadata, violations, code=None if cls is not KvsvcError else fallback,
+            details=details)
+    e.grpc_code = code  # type: ignore[attr-defined]
+    return e

@@ -1,0 +1,114 @@
+"""Server lifecycle: create_server(config) -> (server, port), and serve() with signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvsvc.config import ServerConfig
+from kvsvc.service.node import Node
+from kvsvc.service.servicer import KvTransferServicer
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvTransferService"].full_name
+
+# Keepalive the server permits; the client library's defaults stay inside it.
+SERVER_OPTIONS_BASE = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+]
+
+
+@dataclass
+class RunningServer:
+    """A started server: the grpc.aio server, its port, its node and health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    node: Node
+    health: health.aio.HealthServicer
+    _stopped: bool = False
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Idempotent shutdown, in order: NOT_SERVING, drain RPCs, stop, release the node."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()  # 1. routers stop sending new work
+        grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
+        await self.server.stop(grace)  # 2. in-flight RPCs finish within the grace period
+        await self.node.close()  # 3. leases, agents and pools go last, after no RPC can use them
+
+
+async def create_server(config: ServerConfig) -> tuple[RunningServer, int]:
+    """Build, bind and start a server; port 0 in config.listen picks a free port.
+
+    Returns the running server (grpc.aio server, node, health; stop() shuts it down)
+    and the bound port.
+    """
+    node = Node(config)
+    options = [
+        *SERVER_OPTIONS_BASE,
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+    server = grpc.aio.server(options=options)
+    servicer = KvTransferServicer(node)
+    pb_grpc.add_KvTransferServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    host = config.listen.rsplit(":", 1)[0]
+    node.bind(f"{host}:{port}")
+    await node.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
+    return RunningServer(server, port, node, health_servicer), port
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    running, _ = await create_server(config)
+    print(f"kvsvc listening on {running.node.address} (engine {config.engine_id}, TP ranks "
+          f"{list(config.ranks)}/{config.tp_size})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await running.stop()
+
+
+def run(config: ServerConfig) -> None:
+    """Blocking entry point: serve() on a uvloop event loop when uvloop is installed."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a server dependency
+        factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(config))
