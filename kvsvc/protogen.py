@@ -14,9 +14,8 @@ OUTPUTS = ("kv_transfer_pb2.py", "kv_transfer_pb2.pyi", "kv_transfer_pb2_grpc.py
 
 
 def generate(out_dir: Path) -> None:
-    from grpc_tools import protoc  # dev dependency; imported here so the package never needs it
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency; imported here so the package never needs it
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [

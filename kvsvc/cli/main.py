@@ -20,7 +20,6 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.layout_json:
         import json
-
         from dataclasses import replace
 
         cfg = replace(cfg, layout_table=json.loads(args.layout_json))

@@ -16,6 +16,7 @@ from kvsvc.layout.specs import (
     MambaSpec,
     SlidingWindowSpec,
     SpecFamily,
+    spec_family,
 )
 
 HASH_VERSION = 1
@@ -57,7 +58,7 @@ def check_compatibility(
     for side, lay in (("local", local), ("remote", remote)):
         for g in lay.groups:
             try:
-                g.family
+                spec_family(g.spec)
             except InvalidArgument as e:
                 out.append(_v(e.reason, f"{side} group {g.name!r}: {e.message}", side=side, group=g.name))
     if out and any(v.reason == "MIXED_FAMILY_GROUP" for v in out):
@@ -102,7 +103,7 @@ def _heads_split(local: EngineLayout, local_tp: int, remote: EngineLayout, remot
         return False
     lh = per_rank_heads(local.total_num_kv_heads, max(local_tp, 1))
     rh = per_rank_heads(remote.total_num_kv_heads, max(remote_tp, 1))
-    return lh != rh or lh > 1 and local_tp != remote_tp
+    return lh != rh or (lh > 1 and local_tp != remote_tp)
 
 
 def _check_groups(local: EngineLayout, remote: EngineLayout) -> list[Violation]:

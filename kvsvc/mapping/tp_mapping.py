@@ -13,10 +13,17 @@ from kvsvc.mapping.topology import tp_ratio
 class TopologyLike(Protocol):
     """Anything with the four attributes the mapping needs (TransferTopology, or an engine's)."""
 
-    tp_rank: int
-    tp_size: int
-    total_num_kv_heads: int
-    is_mla: bool
+    @property
+    def tp_rank(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def total_num_kv_heads(self) -> int: ...
+
+    @property
+    def is_mla(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

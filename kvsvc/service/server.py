@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -104,6 +105,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
 
 def run(config: ServerConfig) -> None:
     """Blocking entry point: serve() on a uvloop event loop when uvloop is installed."""
+    factory: Callable[[], asyncio.AbstractEventLoop]
     try:
         import uvloop
 

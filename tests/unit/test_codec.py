@@ -1,0 +1,49 @@
+"""Layout <-> protobuf round trips and the rejection of unset enums."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsvc.codec import layout_from_proto, layout_to_proto
+from kvsvc.errors import InvalidArgument
+from kvsvc.layout import layout_from_dict, simple_layout
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+
+@pytest.mark.parametrize("layout", [
+    simple_layout(tp_size=2),
+    simple_layout(tp_size=1, mla=True, head_size=576, region_layout="blocks_first"),
+    simple_layout(tp_size=4, kv_memory_layout="NHD",
+                  extra_groups=[{"name": "ssm", "kind": "mamba", "states": [{"shape": [8, 4]}, {"shape": [4]}]},
+                                {"name": "swa", "kind": "sliding_window", "num_layers": 2, "sliding_window": 64}]),
+    layout_from_dict({"model_id": "dsv4-like", "groups": [{"kind": "uniform", "layers": [
+        {"kind": "mla", "head_size": 576}, {"kind": "mla", "head_size": 128}]}]}, 2),
+])
+def test_round_trip(layout):
+    msg = layout_to_proto(layout)
+    assert layout_from_proto(pb.KvLayout.FromString(msg.SerializeToString())) == layout
+
+
+def test_unspecified_enum_rejected():
+    msg = layout_to_proto(simple_layout(tp_size=1))
+    msg.kv_memory_layout = pb.KV_MEMORY_LAYOUT_UNSPECIFIED
+    with pytest.raises(InvalidArgument) as e:
+        layout_from_proto(msg)
+    assert e.value.reason == "UNSPECIFIED_ENUM"
+    assert e.value.field_violations[0].field == "layout.kv_memory_layout"
+
+
+def test_unspecified_dtype_rejected():
+    msg = layout_to_proto(simple_layout(tp_size=1))
+    msg.groups[0].spec.full_attention.dtype = pb.DTYPE_UNSPECIFIED
+    with pytest.raises(InvalidArgument) as e:
+        layout_from_proto(msg)
+    assert e.value.reason == "UNSPECIFIED_ENUM"
+
+
+def test_missing_spec_kind_rejected():
+    msg = layout_to_proto(simple_layout(tp_size=1))
+    msg.groups[0].ClearField("spec")
+    with pytest.raises(InvalidArgument) as e:
+        layout_from_proto(msg)
+    assert e.value.reason == "MISSING_FIELD"

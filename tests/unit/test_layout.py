@@ -1,0 +1,114 @@
+"""Spec arithmetic, representative types, validation and compatibility rules (MAPPING.md §1, §6)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsvc.errors import InvalidArgument
+from kvsvc.layout import (
+    DType,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    SpecFamily,
+    UniformTypeKVCacheSpecs,
+    build_pool_layout,
+    check_compatibility,
+    compatibility_hash,
+    layout_from_dict,
+    representative_spec_type,
+    simple_layout,
+    spec_family,
+)
+
+BF16 = DType.BFLOAT16
+
+
+def test_page_sizes():
+    assert FullAttentionSpec(16, 4, 128, BF16).page_size_bytes() == 2 * 16 * 4 * 128 * 2
+    assert FullAttentionSpec(16, 4, 128, BF16, head_size_v=64).page_size_bytes() == 16 * 4 * (128 + 64) * 2
+    assert MLAAttentionSpec(64, 1, 576, BF16).page_size_bytes() == 64 * 576 * 2
+    assert SlidingWindowSpec(16, 2, 64, DType.FLOAT32, 128).page_size_bytes() == 2 * 16 * 2 * 64 * 4
+    assert MambaSpec(16, ((4, 8), (3,)), (DType.FLOAT32, BF16)).page_size_bytes() == 4 * 8 * 4 + 3 * 2
+    uni = UniformTypeKVCacheSpecs(64, (("a", MLAAttentionSpec(64, 1, 576, BF16)), ("b", MLAAttentionSpec(64, 1, 128, BF16))))
+    assert uni.page_size_bytes() == 64 * 576 * 2 + 64 * 128 * 2
+
+
+def test_representative_type_and_family():
+    uni = UniformTypeKVCacheSpecs(16, (("a", MLAAttentionSpec(16, 1, 576, BF16)), ("b", MLAAttentionSpec(16, 1, 64, BF16))))
+    assert representative_spec_type(uni) is MLAAttentionSpec
+    assert spec_family(uni) is SpecFamily.MLA
+    assert representative_spec_type(FullAttentionSpec(16, 1, 8, BF16)) is FullAttentionSpec
+
+
+def test_mixed_family_wrapper_rejected():
+    # The representative (first) type says MLA; the second layer is not: look at every inner spec.
+    mixed = UniformTypeKVCacheSpecs(16, (("a", MLAAttentionSpec(16, 1, 576, BF16)), ("b", FullAttentionSpec(16, 2, 64, BF16))))
+    with pytest.raises(InvalidArgument) as e:
+        spec_family(mixed)
+    assert e.value.reason == "MIXED_FAMILY_GROUP"
+
+
+def test_layout_validation_lists_every_field():
+    with pytest.raises(InvalidArgument) as e:
+        layout_from_dict({"num_blocks": 0, "groups": [{"kind": "full_attention", "num_layers": 1, "head_size": 0}]}, 1)
+    fields = {v.field for v in e.value.field_violations}
+    assert "layout.num_blocks" in fields and "layout.groups[0].layers[0].head_size" in fields
+
+
+def test_regions_split_and_blocks_first():
+    split = build_pool_layout(simple_layout(tp_size=1, num_layers=2, kv_heads=2, head_size=4, block_size=2, num_blocks=3))
+    assert [r.kind.value for r in split.regions] == ["key", "value", "key", "value"]
+    assert all(r.block_stride == r.block_len for r in split.regions)
+    bf = build_pool_layout(simple_layout(tp_size=1, num_layers=1, kv_heads=2, head_size=4, block_size=2, num_blocks=3,
+                                         region_layout="blocks_first"))
+    k, v = bf.regions
+    assert k.block_stride == v.block_stride == 2 * k.block_len
+    assert v.pool_offset == k.pool_offset + k.block_len
+    assert bf.size_bytes >= k.pool_offset + k.extent + k.block_len
+
+
+def reasons(local, lt, remote, rt):
+    return {v.reason for v in check_compatibility(local, lt, remote, rt)}
+
+
+def test_compatible_pairs():
+    for lt, rt, k in [(1, 2, 8), (16, 8, 8), (8, 4, 4), (2, 4, 2), (4, 1, 2)]:
+        assert reasons(simple_layout(tp_size=lt, kv_heads=k), lt, simple_layout(tp_size=rt, kv_heads=k), rt) == set()
+
+
+def test_gqa_replication_beyond_k_is_accepted():
+    # The reference rejects K=8, P TP 8 -> D TP 16 because it scales block length by TP.
+    assert reasons(simple_layout(tp_size=16, kv_heads=8), 16, simple_layout(tp_size=8, kv_heads=8), 8) == set()
+
+
+@pytest.mark.parametrize(("local_kw", "lt", "remote_kw", "rt", "reason"), [
+    ({}, 3, {}, 2, "TP_NOT_DIVISIBLE"),
+    ({"kv_memory_layout": "NHD"}, 2, {"kv_memory_layout": "NHD"}, 1, "LAYOUT_MISMATCH"),
+    ({"block_size": 16}, 1, {"block_size": 32}, 1, "BLOCK_SIZE_MISMATCH"),
+    ({"block_size": 24}, 1, {"block_size": 16}, 1, "BLOCK_SIZE_MISMATCH"),
+    ({"dtype": "float16"}, 1, {}, 1, "DTYPE_MISMATCH"),
+    ({"head_size": 128}, 1, {"head_size": 64}, 1, "HEAD_SIZE_MISMATCH"),
+    ({"num_layers": 3}, 1, {"num_layers": 2}, 1, "LAYER_COUNT_MISMATCH"),
+    ({"model_id": "a"}, 1, {"model_id": "b"}, 1, "MODEL_MISMATCH"),
+    ({"kv_heads": 4}, 1, {"kv_heads": 8}, 1, "KV_HEADS_MISMATCH"),
+    ({"mla": True}, 1, {}, 1, "GROUP_MISMATCH"),
+])
+def test_refusals(local_kw, lt, remote_kw, rt, reason):
+    local = simple_layout(tp_size=lt if lt != 3 else 1, **local_kw)
+    remote = simple_layout(tp_size=rt, **remote_kw)
+    assert reason in reasons(local, lt, remote, rt)
+
+
+def test_every_violation_is_reported():
+    got = reasons(simple_layout(tp_size=1, dtype="float16", head_size=128, model_id="a"), 1,
+                  simple_layout(tp_size=1, model_id="b"), 1)
+    assert {"MODEL_MISMATCH", "DTYPE_MISMATCH", "HEAD_SIZE_MISMATCH"} <= got
+
+
+def test_hash_is_tp_and_block_invariant():
+    a = compatibility_hash(simple_layout(tp_size=1, block_size=16, num_blocks=10))
+    assert a == compatibility_hash(simple_layout(tp_size=4, block_size=32, num_blocks=99))
+    assert a != compatibility_hash(simple_layout(tp_size=1, head_size=128))
+    assert a != compatibility_hash(simple_layout(tp_size=1, model_id="other"))
