@@ -114,7 +114,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
             kw["layout_table"] = doc["layout"]
         cfg = replace(cfg, **kw)
     cfg = cfg.with_overrides(**overrides)
-    if "ranks" not in overrides and (path is None or "ranks" not in doc.get("server", {})):
+    if overrides.get("ranks") is None and (path is None or "ranks" not in doc.get("server", {})):
         cfg = replace(cfg, ranks=tuple(range(cfg.tp_size)))
     cfg.validate()
     return cfg

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvsvc.mapping.planner import RankPlan
-from tests.reference import RankMemory
+from kvsvc.verify import RankMemory
 
 
 def apply_plan(plan: RankPlan, local: RankMemory, remotes: dict[int, RankMemory]) -> None:

@@ -48,7 +48,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated inference")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="log at INFO (-vv: DEBUG)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run a server (defaults: 127.0.0.1:50051, a tiny built-in layout)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prefill-tp", type=int, default=2)
     d.add_argument("--decode-tp", type=int, default=1)
     d.add_argument("--kv-heads", type=int, default=8)
-    d.add_argument("--head-size", type=int, default=128)
+    d.add_argument("--head-size", type=int, default=None, help="default 128, or 576 with --mla")
     d.add_argument("--mla", action="store_true", help="an MLA layout (one latent head per token)")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--blocks", type=int, default=64, help="blocks per request")
@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvsvc.errors import KvsvcError
 

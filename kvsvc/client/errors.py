@@ -51,6 +51,7 @@ def error_from_rpc(err: grpc.RpcError) -> KvsvcError:
                 failure: Message = pb.TransferFailure()
                 any_msg.Unpack(failure)
                 details.append(failure)
+    message = (message or "").removeprefix(f"{reason}: ")  # the server prefixes its reason for grpcurl readers
     cls = _BY_CODE.get(code, KvsvcError)
     fallback = ErrorCode[code.name] if code.name in ErrorCode.__members__ else ErrorCode.INTERNAL
     e = cls(reason, message or "", metadata, violations, code=None if cls is not KvsvcError else fallback,

@@ -1,17 +1,24 @@
-"""The state one server owns: config, layout, epoch; and the pure planning it serves."""
+"""The state one server owns: config, layout, epoch, pools, NIXL agents, leases and peers."""
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvsvc import __version__
 from kvsvc.codec import layout_to_proto, rank_plan_to_proto, region_to_proto
-from kvsvc.config import Role, ServerConfig
-from kvsvc.errors import InvalidArgument
+from kvsvc.config import MemoryMode, Role, ServerConfig
+from kvsvc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvsvc.layout.compat import compatibility_hash
+from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, validate_pair
+from kvsvc.memory.pools import CudaPool, ExternalPool, Pool, ShmPool, shm_name_for
+from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.BOTH: pb.ROLE_BOTH}
 
@@ -22,9 +29,9 @@ def new_epoch() -> int:
 
 
 class Node:
-    """One engine's ranks on this node, as the control plane sees them."""
+    """One engine's ranks on this node. External pools (embedding mode) replace allocation."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, external_pools: Mapping[int, Any] | None = None) -> None:
         config.validate()
         self.config = config
         self.layout = config.layout()
@@ -32,20 +39,74 @@ class Node:
         self.layout_hash = compatibility_hash(self.layout)
         self.epoch = new_epoch()
         self.address = config.advertised_address or config.listen
+        self._external = dict(external_pools or {})
+        self.pools: dict[int, Pool] = {}
+        self.data: NixlDataPlane | None = None
+        self.data_error = ""
+        self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
+                                 config.max_lease_ttl_s, on_claim_change=self._claims_changed)
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------
 
     def bind(self, address: str) -> None:
         """Record the bound address (port 0 resolved) unless one is advertised."""
         self.address = self.config.advertised_address or address
 
     async def start(self) -> None:
-        """Start what the node owns beyond config (the data plane, when present)."""
+        """Allocate pools and start NIXL agents (unless memory is none), then the lease reaper."""
+        self.leases.start()
+        if self.config.memory is MemoryMode.NONE and not self._external:
+            self.data_error = "memory = none: control plane only"
+            return
+        size = self.side.pool.size_bytes
+        try:
+            for rank in self.hosted_ranks:
+                self.pools[rank] = self._make_pool(rank, size)
+            self.data = NixlDataPlane(self.config.engine_id, self.epoch, self.pools)
+            await self.data.start()
+        except BaseException:
+            await self.close()
+            raise
+
+    def _make_pool(self, rank: int, size: int) -> Pool:
+        if rank in self._external:
+            return ExternalPool(rank, self._external[rank], size)
+        if self.config.memory is MemoryMode.VRAM:
+            return CudaPool(rank, size, self.config.cuda_device)
+        return ShmPool(rank, size, shm_name_for(self.config.engine_id, self.epoch, rank))
 
     async def close(self) -> None:
-        """Release what start() acquired; idempotent."""
+        """Release leases, agents and pools; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.leases.close()
+        if self.data is not None:
+            await self.data.close()
+        for pool in self.pools.values():
+            pool.close()
+
+    def _claims_changed(self, delta: int) -> None:
+        # While a lease is claimed a peer may be reading: keep our agents progressing.
+        if self.data is not None:
+            self.data.need_progress(delta)
+
+    # ---- checks ---------------------------------------------------------------------
 
     @property
     def hosted_ranks(self) -> tuple[int, ...]:
         return self.config.ranks
+
+    def require_role(self, role: Role, what: str) -> None:
+        if self.config.role not in (role, Role.BOTH):
+            raise FailedPrecondition("WRONG_ROLE", f"{what} needs a {role.value} server; this one is "
+                                     f"{self.config.role.value}", {"role": self.config.role.value})
+
+    def require_data_plane(self, what: str) -> NixlDataPlane:
+        if self.data is None:
+            raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: {self.data_error}")
+        return self.data
 
     def check_ranks(self, ranks: Sequence[int], field: str) -> tuple[int, ...]:
         """The ranks asked for (all hosted when empty); RANK_NOT_HOSTED otherwise."""
@@ -59,11 +120,12 @@ class Node:
             )
         return tuple(dict.fromkeys(ranks))
 
-    def plan(
-        self, remote: Side, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]],
-        ranks: Sequence[int],
-    ) -> list[RankPlan]:
-        validate_pair(self.side, remote)
+    # ---- planning -------------------------------------------------------------------
+
+    def plan(self, remote: Side, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]],
+             ranks: Sequence[int], validated: bool = False) -> list[RankPlan]:
+        if not validated:
+            validate_pair(self.side, remote)
         return [plan_rank(self.side, remote, r, local_ids, remote_ids, validated=True) for r in ranks]
 
     def plan_response(self, plans: Sequence[RankPlan], summary_only: bool) -> pb.PlanTransferResponse:
@@ -76,13 +138,36 @@ class Node:
             msg.prefix_blocks_skipped_per_group.extend(plans[0].prefix_blocks_skipped)
         return msg
 
+    # ---- descriptions ---------------------------------------------------------------
+
+    def region_table(self, rank: int) -> list[pb.RegionInfo]:
+        base = self.pools[rank].base_address if rank in self.pools else 0
+        return [region_to_proto(r, base + r.pool_offset if base else 0) for r in self.side.pool.regions]
+
+    def pool_infos(self) -> list[pb.PoolInfo]:
+        out = []
+        for rank, pool in sorted(self.pools.items()):
+            out.append(pb.PoolInfo(
+                tp_rank=rank, memory_kind=pb.MEMORY_KIND_VRAM if pool.memory_kind == "VRAM" else pb.MEMORY_KIND_DRAM,
+                shm_name=pool.shm_name, size_bytes=pool.size_bytes, cuda_ipc_handle=pool.cuda_ipc_handle,
+                cuda_ipc_offset_bytes=pool.cuda_ipc_offset, device_id=pool.device_id, regions=self.region_table(rank)))
+        return out
+
     def info(self) -> pb.GetInfoResponse:
+        caps = ["plan"]
+        if self.data is not None:
+            caps += ["transfer", "leases", "handshake"]
+        transport = pb.TransportInfo(nixl_available=self.data is not None, nixl_version=nixl_version(),
+                                     unavailable_reason=self.data_error)
+        if self.data is not None:
+            transport.backends.extend(self.data.backends)
+            transport.ucx_transports.extend(sorted(self.data.transports_seen))
         return pb.GetInfoResponse(
             engine_id=self.config.engine_id, role=_ROLES[self.config.role], tp_size=self.config.tp_size,
             hosted_ranks=list(self.hosted_ranks), layout=layout_to_proto(self.layout),
             layout_hash=self.layout_hash, epoch=self.epoch, server_version=__version__,
-            capabilities=["plan"], advertised_address=self.address,
+            capabilities=caps, advertised_address=self.address, pools=self.pool_infos(), transport=transport,
         )
 
-    def region_table(self, base_address: int = 0) -> list[pb.RegionInfo]:
-        return [region_to_proto(r, base_address + r.pool_offset) for r in self.side.pool.regions]
+
+__all__ = ["Node", "new_epoch"]

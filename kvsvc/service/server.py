@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc.config import ServerConfig
+from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -39,6 +41,7 @@ class RunningServer:
     port: int
     node: Node
     health: health.aio.HealthServicer
+    decoder: Decoder
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -49,23 +52,28 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()  # 1. routers stop sending new work
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)  # 2. in-flight RPCs finish within the grace period
-        await self.node.close()  # 3. leases, agents and pools go last, after no RPC can use them
+        await self.decoder.close()  # 3. peer channels
+        await self.node.close()  # 4. leases, agents and pools go last, after no RPC can use them
 
 
-async def create_server(config: ServerConfig) -> tuple[RunningServer, int]:
+async def create_server(
+    config: ServerConfig, external_pools: Mapping[int, Any] | None = None
+) -> tuple[RunningServer, int]:
     """Build, bind and start a server; port 0 in config.listen picks a free port.
 
     Returns the running server (grpc.aio server, node, health; stop() shuts it down)
-    and the bound port.
+    and the bound port. external_pools (rank -> contiguous numpy array or torch tensor)
+    embeds the server in an engine that owns its KV memory.
     """
-    node = Node(config)
+    node = Node(config, external_pools)
+    decoder = Decoder(node)
     options = [
         *SERVER_OPTIONS_BASE,
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(options=options)
-    servicer = KvTransferServicer(node)
+    servicer = KvTransferServicer(node, decoder)
     pb_grpc.add_KvTransferServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -77,12 +85,16 @@ async def create_server(config: ServerConfig) -> tuple[RunningServer, int]:
         raise OSError(f"could not bind {config.listen}")
     host = config.listen.rsplit(":", 1)[0]
     node.bind(f"{host}:{port}")
-    await node.start()
+    try:
+        await node.start()
+    except BaseException:
+        await server.stop(0)
+        raise
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
-    return RunningServer(server, port, node, health_servicer), port
+    return RunningServer(server, port, node, health_servicer, decoder), port
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
+from grpc_status import rpc_status
 
 from kvsvc.codec import _bad, block_ids_from_proto, layout_from_proto
-from kvsvc.errors import ErrorCode, KvsvcError
+from kvsvc.config import Role
+from kvsvc.errors import KvsvcError
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
-from kvsvc.service.errors import rpc_errors
+from kvsvc.service import prefill
+from kvsvc.service.decode import Decoder
+from kvsvc.service.errors import rpc_errors, to_status
 from kvsvc.service.node import Node
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
-
-
-def unimplemented(what: str) -> KvsvcError:
-    return KvsvcError("NOT_IMPLEMENTED", f"{what} needs the data plane, which this server does not run",
-                      code=ErrorCode.UNIMPLEMENTED)
 
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
@@ -29,10 +30,11 @@ def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> 
 
 
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
-    """Thin: every rule lives in the node and the layers below it."""
+    """Thin: every rule lives in the node, the role modules and the layers below them."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, decoder: Decoder) -> None:
         self.node = node
+        self.decoder = decoder
 
     @rpc_errors
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -46,7 +48,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         if which == "inline_remote":
             remote = inline_remote_side(request.inline_remote, "inline_remote", self.node.config.tp_size)
         elif which == "remote_address":
-            remote = await self.remote_side(request.remote_address)
+            remote = (await self.decoder.peers.get(request.remote_address, "", 0)).side
         else:
             raise _bad("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
         ranks = self.node.check_ranks(request.local_ranks, "local_ranks")
@@ -56,27 +58,34 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         )
         return self.node.plan_response(plans, request.summary_only)
 
-    async def remote_side(self, address: str) -> Side:
-        raise unimplemented("PlanTransfer with remote_address")
-
     @rpc_errors
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:
-        raise unimplemented("Handshake")
+        return prefill.handshake(self.node, request)
 
     @rpc_errors
     async def PublishBlocks(
         self, request: pb.PublishBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishBlocksResponse:
-        raise unimplemented("PublishBlocks")
+        return prefill.publish(self.node, request)
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:
-        raise unimplemented("ClaimLease")
+        return prefill.claim(self.node, request)
 
     @rpc_errors
     async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:
-        raise unimplemented("Transfer")
+        return await self.decoder.transfer(request, context.time_remaining())
 
     @rpc_errors
     async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
-        raise unimplemented("Notify")
+        return prefill.notify(self.node, request)
+
+    async def WatchReleases(
+        self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchReleasesResponse]:
+        try:
+            self.node.require_role(Role.PREFILL, "WatchReleases")
+        except KvsvcError as e:
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        async for ev in self.node.leases.watch():
+            yield prefill.release_to_proto(ev)

@@ -239,7 +239,7 @@ class RegionInfo(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., group_index: _Optional[int] = ..., layer_name: _Optional[str] = ..., pool_offset_bytes: _Optional[int] = ..., base_address: _Optional[int] = ..., block_len_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "cuda_ipc_handle", "device_id", "regions")
+    __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "cuda_ipc_handle", "device_id", "regions", "cuda_ipc_offset_bytes")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class PoolInfo(_message.Message):
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     memory_kind: MemoryKind
     shm_name: str
@@ -254,7 +255,8 @@ class PoolInfo(_message.Message):
     cuda_ipc_handle: bytes
     device_id: int
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
-    def __init__(self, tp_rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
+    cuda_ipc_offset_bytes: int
+    def __init__(self, tp_rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., cuda_ipc_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
     __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason")
@@ -399,10 +401,12 @@ class ClaimLeaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
-    __slots__ = ("lease_expires_unix_ms",)
+    __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms")
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     lease_expires_unix_ms: int
-    def __init__(self, lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    lease_remaining_ms: int
+    def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
 
 class InlineRemote(_message.Message):
     __slots__ = ("layout", "tp_size")

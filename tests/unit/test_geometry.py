@@ -11,7 +11,7 @@ from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout import simple_layout
 from kvsvc.mapping import Side, plan_rank
 from kvsvc.mapping.topology import handshake_target_ranks
-from tests.reference import RankMemory, check_rank, fill_rank
+from kvsvc.verify import RankMemory, check_rank, fill_rank
 from tests.simulate import apply_plan
 
 TP = [1, 2, 4, 8, 16]

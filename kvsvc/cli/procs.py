@@ -1,0 +1,84 @@
+"""Start `kvsvc serve` as a child process on a free loopback port, and stop it cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_LISTENING = re.compile(r"kvsvc listening on (\S+)")
+
+
+@dataclass
+class ServerProcess:
+    """A running `kvsvc serve`; .address is its host:port, .output what it printed."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    output: list[str] = field(default_factory=list)
+    _reader: threading.Thread | None = None
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM (graceful shutdown), then SIGKILL if it does not exit in time; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(2)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_server(
+    *, engine_id: str, role: str, tp_size: int, layout: Mapping[str, Any], ranks: Sequence[int] | None = None,
+    memory: str = "dram", listen: str = "127.0.0.1:0", extra_env: Mapping[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> ServerProcess:
+    """Spawn a server and wait until it prints its address (raises with its output if it dies)."""
+    cmd = [sys.executable, "-m", "kvsvc.cli.main", *(["-vv"] if os.environ.get("KVSVC_DEBUG") else []), "serve", "--listen", listen, "--engine-id", engine_id,
+           "--role", role, "--tp-size", str(tp_size), "--memory", memory, "--layout-json", json.dumps(layout)]
+    if ranks is not None:
+        cmd += ["--ranks", ",".join(map(str, ranks))]
+    env = dict(os.environ, **(extra_env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait()
+            raise RuntimeError(f"kvsvc serve exited ({proc.returncode}) before listening:\n{''.join(out)}")
+        out.append(line)
+        m = _LISTENING.search(line)
+        if m:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"kvsvc serve did not start in {timeout_s} s:\n{''.join(out)}")
+    sp = ServerProcess(proc, m.group(1), out)
+
+    def drain() -> None:  # keep the pipe empty so the child never blocks on its logs
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+
+    sp._reader = threading.Thread(target=drain, daemon=True)
+    sp._reader.start()
+    return sp

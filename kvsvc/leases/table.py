@@ -1,0 +1,254 @@
+"""P-side leases: published requests, claims, release accounting, expiry, release events.
+
+A lease moves OFFERED -> CLAIMED -> one of CONSUMED / EXPIRED / ABORTED, exactly once.
+Expiry is driven by one reaper task that sleeps until the earliest deadline; it never
+assumes leases expire in publish order (a claim or heartbeat moves a deadline later).
+Released leases stay as tombstones for a while so late claims get LEASE_EXPIRED and
+duplicate notifications get the final state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import heapq
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
+from kvsvc.mapping.release import ReleaseTracker
+from kvsvc.mapping.topology import tp_ratio
+
+log = logging.getLogger(__name__)
+
+TOMBSTONES_MAX = 100_000
+
+
+class LeaseState(enum.Enum):
+    OFFERED = "offered"
+    CLAIMED = "claimed"
+    CONSUMED = "consumed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def released(self) -> bool:
+        return self in (LeaseState.CONSUMED, LeaseState.EXPIRED, LeaseState.ABORTED)
+
+
+@dataclass
+class Lease:
+    """One published request. Times are time.monotonic() seconds unless named _unix."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    epoch: int
+    expires_at: float
+    state: LeaseState = LeaseState.OFFERED
+    d_engine_id: str = ""
+    d_tp_size: int = 0
+    tracker: ReleaseTracker | None = None
+    released_unix_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A released request, as WatchReleases reports it."""
+
+    request_id: str
+    reason: LeaseState
+    block_ids: list[list[int]]
+    released_unix_ms: int
+
+
+def _unix_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def monotonic_to_unix_ms(t: float) -> int:
+    return _unix_ms() + int((t - time.monotonic()) * 1000)
+
+
+@dataclass
+class LeaseTable:
+    """Leases of one P server; hosted_ranks and tp_size are this engine's."""
+
+    epoch: int
+    hosted_ranks: Sequence[int]
+    tp_size: int
+    default_ttl_s: float = 30.0
+    max_ttl_s: float = 600.0
+    on_claim_change: Callable[[int], None] = lambda delta: None
+    _live: dict[str, Lease] = field(default_factory=dict)
+    _dead: OrderedDict[str, Lease] = field(default_factory=OrderedDict)
+    _heap: list[tuple[float, str]] = field(default_factory=list)
+    _watchers: set[asyncio.Queue[Release]] = field(default_factory=set)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _reaper: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="kvsvc-lease-reaper")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+            self._reaper = None
+        for w in list(self._watchers):
+            w.put_nowait(_END)
+
+    # ---- operations -----------------------------------------------------------------
+
+    def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None) -> Lease:
+        if not request_id:
+            raise InvalidArgument("MISSING_FIELD", "request_id must be set", {"field": "request_id"})
+        if request_id in self._live:
+            raise KvsvcError("LEASE_EXISTS", f"request {request_id!r} is already published and not yet released",
+                             {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)
+        ttl = self.default_ttl_s if not ttl_s else ttl_s
+        if ttl > self.max_ttl_s:
+            raise InvalidArgument("LEASE_TTL_TOO_LONG", f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
+                                  f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
+                                                                    "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
+        self._dead.pop(request_id, None)
+        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl)
+        self._live[request_id] = lease
+        self._schedule(lease)
+        return lease
+
+    def claim(self, request_id: str, epoch: int, d_engine_id: str, d_tp_size: int, extend_s: float | None) -> Lease:
+        lease = self._live_lease(request_id, epoch)
+        tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
+        if lease.state is LeaseState.CLAIMED and (lease.d_engine_id, lease.d_tp_size) != (d_engine_id, d_tp_size):
+            raise FailedPrecondition("LEASE_CLAIMED", f"request {request_id!r} is claimed by engine "
+                                     f"{lease.d_engine_id!r} (TP {lease.d_tp_size})",
+                                     {"request_id": request_id, "claimed_by": lease.d_engine_id})
+        if lease.state is LeaseState.OFFERED:
+            lease.state = LeaseState.CLAIMED
+            lease.d_engine_id, lease.d_tp_size = d_engine_id, d_tp_size
+            lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size)
+            self.on_claim_change(+1)
+        self._extend(lease, extend_s)
+        return lease
+
+    def notify(self, request_id: str, kind: str, d_ranks: Sequence[int], epoch: int,
+               d_tp_size: int = 0) -> tuple[LeaseState | None, list[int]]:
+        """Apply a notification; (state after, D ranks still pending). Idempotent."""
+        if epoch and epoch != self.epoch:
+            return LeaseState.EXPIRED, []
+        lease = self._live.get(request_id)
+        if lease is None:
+            dead = self._dead.get(request_id)
+            return (dead.state if dead else None), []
+        if kind == "heartbeat":
+            self._extend(lease, None)
+            return lease.state, lease.tracker.pending_d_ranks if lease.tracker else []
+        if kind == "aborted":
+            self._release(lease, LeaseState.ABORTED)
+            return lease.state, []
+        if lease.tracker is None:  # consumed without a claim: account against the sender's TP
+            if not d_tp_size:
+                raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {request_id!r} was never claimed; send tp_size",
+                                         {"request_id": request_id})
+            lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size)
+        bad = [r for r in d_ranks if not 0 <= r < (lease.d_tp_size or d_tp_size)]
+        if bad:
+            raise InvalidArgument("RANK_OUT_OF_RANGE", f"done_ranks {bad} are outside the D TP size",
+                                  {"ranks": ",".join(map(str, bad))})
+        lease.tracker.notify(d_ranks)
+        if lease.tracker.done:
+            self._release(lease, LeaseState.CONSUMED)
+        return lease.state, lease.tracker.pending_d_ranks
+
+    def get(self, request_id: str) -> Lease | None:
+        return self._live.get(request_id) or self._dead.get(request_id)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    async def watch(self) -> AsyncIterator[Release]:
+        q: asyncio.Queue[Release] = asyncio.Queue()
+        self._watchers.add(q)
+        try:
+            while True:
+                ev = await q.get()
+                if ev is _END:
+                    return
+                yield ev
+        finally:
+            self._watchers.discard(q)
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _live_lease(self, request_id: str, epoch: int) -> Lease:
+        if epoch != self.epoch:
+            raise FailedPrecondition("LEASE_EXPIRED", f"lease epoch {epoch} is not this server's epoch {self.epoch} "
+                                     "(the prefill server restarted); re-publish the request",
+                                     {"request_id": request_id, "lease_epoch": epoch, "server_epoch": self.epoch})
+        lease = self._live.get(request_id)
+        if lease is not None and lease.expires_at <= time.monotonic():
+            self._release(lease, LeaseState.EXPIRED)
+            lease = None
+        if lease is None:
+            dead = self._dead.get(request_id)
+            state = dead.state.value if dead else "unknown"
+            raise FailedPrecondition("LEASE_EXPIRED", f"request {request_id!r} holds no live lease ({state})",
+                                     {"request_id": request_id, "state": state})
+        return lease
+
+    def _extend(self, lease: Lease, extend_s: float | None) -> None:
+        ttl = min(extend_s or self.default_ttl_s, self.max_ttl_s)
+        lease.expires_at = max(lease.expires_at, time.monotonic() + ttl)
+        self._schedule(lease)
+
+    def _schedule(self, lease: Lease) -> None:
+        heapq.heappush(self._heap, (lease.expires_at, lease.request_id))
+        self._wake.set()
+
+    def _release(self, lease: Lease, reason: LeaseState) -> None:
+        if lease.state.released:
+            return
+        if lease.state is LeaseState.CLAIMED:
+            self.on_claim_change(-1)
+        lease.state = reason
+        lease.released_unix_ms = _unix_ms()
+        self._live.pop(lease.request_id, None)
+        self._dead[lease.request_id] = lease
+        while len(self._dead) > TOMBSTONES_MAX:
+            self._dead.popitem(last=False)
+        ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms)
+        log.info("released %s: %s", lease.request_id, reason.value)
+        for w in self._watchers:
+            w.put_nowait(ev)
+
+    def expire_due(self) -> None:
+        now = time.monotonic()
+        while self._heap and self._heap[0][0] <= now:
+            _, rid = heapq.heappop(self._heap)
+            lease = self._live.get(rid)
+            # Stale heap entries (deadline moved later, or already released) are skipped.
+            if lease is not None and lease.expires_at <= now:
+                self._release(lease, LeaseState.EXPIRED)
+
+    async def _reap(self) -> None:
+        while True:
+            self.expire_due()
+            self._wake.clear()
+            timeout = max(0.0, self._heap[0][0] - time.monotonic()) if self._heap else None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+
+_END: Release = Release("", LeaseState.ABORTED, [], 0)

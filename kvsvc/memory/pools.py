@@ -1,0 +1,138 @@
+"""KV pools a server owns: DRAM in named POSIX shared memory, VRAM as CUDA tensors, or an engine's own buffers."""
+
+from __future__ import annotations
+
+import logging
+import re
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+
+from kvsvc.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+class Pool:
+    """One rank's pool: a contiguous byte range the regions of build_pool_layout live in."""
+
+    memory_kind = "DRAM"  # NIXL memory type
+    shm_name = ""
+    device_id = 0
+    cuda_ipc_handle = b""
+    cuda_ipc_offset = 0
+
+    def __init__(self, rank: int, size_bytes: int, base_address: int) -> None:
+        self.rank = rank
+        self.size_bytes = size_bytes
+        self.base_address = base_address
+
+    def close(self) -> None:
+        """Release the memory; idempotent."""
+
+
+class ShmPool(Pool):
+    """DRAM pool in a named shared-memory segment an engine process can map (and NIXL reads)."""
+
+    def __init__(self, rank: int, size_bytes: int, name: str) -> None:
+        try:
+            self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(name=name, create=True,
+                                                                                      size=size_bytes)
+        except FileExistsError as e:
+            raise FailedPrecondition("POOL_EXISTS", f"shared memory {name} already exists", {"shm_name": name}) from e
+        self._array = np.frombuffer(self._shm.buf, dtype=np.uint8, count=size_bytes)  # type: ignore[arg-type]
+        super().__init__(rank, size_bytes, int(self._array.ctypes.data))
+        self.shm_name = name
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._array
+
+    def close(self) -> None:
+        if self._shm is None:
+            return
+        shm, self._shm = self._shm, None
+        del self._array  # the exported buffer must go before the mapping can close
+        try:
+            shm.close()
+        except BufferError:
+            log.warning("pool %s still has views; unlinking anyway", self.shm_name)
+        shm.unlink()
+
+
+class CudaPool(Pool):
+    """VRAM pool: a torch CUDA tensor, shared with engines through a CUDA IPC handle."""
+
+    memory_kind = "VRAM"
+
+    def __init__(self, rank: int, size_bytes: int, device: int) -> None:
+        import torch  # server-side only; clients never import torch through kvsvc
+
+        self._tensor: Any = torch.zeros(size_bytes, dtype=torch.uint8, device=f"cuda:{device}")
+        super().__init__(rank, size_bytes, int(self._tensor.data_ptr()))
+        self.device_id = device
+        self.cuda_ipc_handle, self.cuda_ipc_offset = _cuda_ipc_handle(self.base_address)
+
+    @property
+    def tensor(self) -> Any:
+        return self._tensor
+
+    def close(self) -> None:
+        self._tensor = None
+
+
+class ExternalPool(Pool):
+    """An engine's own contiguous buffer (numpy array or torch tensor), not owned by kvsvc."""
+
+    def __init__(self, rank: int, buffer: Any, size_bytes: int) -> None:
+        if hasattr(buffer, "data_ptr"):  # torch tensor
+            nbytes = buffer.numel() * buffer.element_size()
+            addr, cuda = int(buffer.data_ptr()), buffer.is_cuda
+            contiguous = buffer.is_contiguous()
+            device = (buffer.device.index or 0) if cuda else 0
+        else:
+            arr = np.asarray(buffer)
+            nbytes, addr, cuda, contiguous, device = arr.nbytes, int(arr.ctypes.data), False, arr.flags.c_contiguous, 0
+        if not contiguous or nbytes < size_bytes:
+            raise InvalidArgument("POOL_TOO_SMALL",
+                                  f"rank {rank}: the engine buffer must be contiguous and hold {size_bytes} bytes "
+                                  f"(has {nbytes})", {"rank": rank, "needed_bytes": size_bytes, "bytes": nbytes})
+        super().__init__(rank, size_bytes, addr)
+        self._buffer = buffer
+        if cuda:
+            self.memory_kind, self.device_id = "VRAM", device
+
+    def close(self) -> None:
+        self._buffer = None
+
+
+def shm_name_for(engine_id: str, epoch: int, rank: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:40]
+    return f"kvsvc-{safe}-{epoch & 0xFFFFFFFF:08x}-r{rank}"
+
+
+def attach_shm(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment without letting this process's resource tracker unlink it at exit."""
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # the tracker may not know it; nothing to undo then
+        pass
+    return shm
+
+
+def _cuda_ipc_handle(ptr: int) -> tuple[bytes, int]:
+    """(cudaIpcMemHandle bytes, offset of ptr in its allocation) via the CUDA driver API."""
+    from cuda.bindings import driver, runtime  # shipped with CUDA builds of torch
+
+    err, handle = runtime.cudaIpcGetMemHandle(ptr)
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise FailedPrecondition("CUDA_IPC_FAILED", f"cudaIpcGetMemHandle failed: {err}")
+    err, base, _size = driver.cuMemGetAddressRange(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise FailedPrecondition("CUDA_IPC_FAILED", f"cuMemGetAddressRange failed: {err}")
+    return bytes(handle.reserved), ptr - int(base)
+
+
+__all__ = ["CudaPool", "ExternalPool", "Pool", "ShmPool", "attach_shm", "shm_name_for"]

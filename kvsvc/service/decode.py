@@ -1,0 +1,161 @@
+"""The D side: one Transfer = plan + claim + NIXL READs on every hosted rank + await + Notify."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsvc.codec import _bad, block_ids_from_proto
+from kvsvc.config import Role
+from kvsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvsvcError
+from kvsvc.mapping.planner import RankPlan
+from kvsvc.service.node import Node
+from kvsvc.service.peers import Peer, PeerCache
+from kvsvc.transport.nixl_thread import InFlight
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# How long a cancelled or failed transfer waits for posted READs to settle before it
+# answers: D's blocks must not be written after the caller was told they are invalid.
+DRAIN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Posted:
+    rank: int
+    flight: InFlight
+    nbytes: int
+    descriptors: int
+
+
+def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[int, str, np.ndarray, np.ndarray, np.ndarray]]:
+    """(remote rank, agent name, local addresses, remote addresses, lengths) per source rank."""
+    pool = node.pools[plan.local_rank]
+    local_base = np.array([pool.base_address + r.pool_offset for r in node.side.pool.regions], dtype=np.int64)
+    out = []
+    for reads in plan.reads:
+        if not reads.num_descriptors:
+            continue
+        rr = peer.ranks.get(reads.remote_rank)
+        if rr is None:
+            raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill rank {reads.remote_rank} was not in the "
+                                     "handshake", {"rank": reads.remote_rank})
+        remote_base = np.asarray(rr.region_bases, dtype=np.int64)
+        out.append((reads.remote_rank, rr.agent_name, local_base[reads.local_region] + reads.local_offset,
+                    remote_base[reads.remote_region] + reads.remote_offset, reads.length))
+    return out
+
+
+class Decoder:
+    """Runs Transfer RPCs for the D ranks this server hosts."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.peers = PeerCache(node)
+
+    async def close(self) -> None:
+        await self.peers.close()
+
+    async def transfer(self, req: pb.TransferRequest, time_remaining_s: float | None) -> pb.TransferResponse:
+        node = self.node
+        node.require_role(Role.DECODE, "Transfer")
+        data = node.require_data_plane("Transfer")
+        started = time.perf_counter()
+        p = req.params
+        for name in ("remote_address", "remote_request_id"):
+            if not getattr(p, name):
+                raise _bad(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+        if p.remote_epoch == 0:
+            raise _bad("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+        local_ids = block_ids_from_proto(req.local_block_ids_per_group)
+        remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
+        peer = await self.peers.get(p.remote_address, p.remote_engine_id, p.remote_epoch)
+        if p.remote_tp_size and p.remote_tp_size != peer.tp_size:
+            raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but {p.remote_address} "
+                                  f"runs TP {peer.tp_size}", {"params_tp_size": p.remote_tp_size,
+                                                              "remote_tp_size": peer.tp_size})
+        plans = node.plan(peer.side, local_ids, remote_ids, node.hosted_ranks, validated=True)
+        reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, peer, plan)]
+        marks = [("plan", time.perf_counter())]
+
+        claim = await peer.client.claim_lease(pb.ClaimLeaseRequest(
+            request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id=node.config.engine_id,
+            tp_size=node.config.tp_size))
+        claim_deadline = time.monotonic() + claim.lease_remaining_ms / 1000
+        marks.append(("claim", time.perf_counter()))
+        posted: list[Posted] = []
+        try:
+            for t, (_r, agent_name, la, ra, ln) in reads:
+                notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
+                fl = await data.read(t, agent_name, la, ra, ln, notif)
+                posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
+            marks.append(("post", time.perf_counter()))
+            waits = asyncio.gather(*(x.flight.result for x in posted))
+            if time_remaining_s is None:
+                await waits
+            else:
+                try:
+                    await asyncio.wait_for(waits, max(0.0, time_remaining_s - (time.perf_counter() - started)))
+                except TimeoutError as e:
+                    raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
+                                           {"request_id": req.request_id}) from e
+            marks.append(("reads", time.perf_counter()))
+            if time.monotonic() > claim_deadline:
+                raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
+                                         {"request_id": p.remote_request_id})
+            resp = await peer.client.notify(pb.NotifyRequest(
+                request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_CONSUMED, engine_id=node.config.engine_id,
+                tp_size=node.config.tp_size, done_ranks=list(node.hosted_ranks), lease_epoch=p.remote_epoch))
+            if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
+                raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server released the blocks "
+                                         f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
+                                         {"request_id": p.remote_request_id, "state": pb.LeaseState.Name(resp.state)})
+        except BaseException as e:
+            await self._fail(peer, p, posted, e)
+            raise
+        marks.append(("notify", time.perf_counter()))
+        if log.isEnabledFor(logging.DEBUG):
+            prev, phases = started, []
+            for name, t in marks:
+                phases.append(f"{name} {1e3 * (t - prev):.2f} ms")
+                prev = t
+            log.debug("transfer %s: %s", req.request_id, ", ".join(phases))
+        per_rank: dict[int, pb.RankTransferResult] = {
+            t: pb.RankTransferResult(local_rank=t) for t in node.hosted_ranks}
+        for x in posted:
+            r = per_rank[x.rank]
+            r.bytes += x.nbytes
+            r.num_descriptors += x.descriptors
+            r.duration_us = max(r.duration_us, int(x.flight.result.result() * 1e6))
+        return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
+                                   duration_us=int((time.perf_counter() - started) * 1e6))
+
+    async def _fail(self, peer: Peer, p: pb.TransferParams, posted: list[Posted], err: BaseException) -> None:
+        """Let posted READs settle, tell P to let go, and attach which blocks are valid (none)."""
+        settle = [x.flight.settled.wait() for x in posted]
+        if settle:
+            try:
+                await asyncio.shield(asyncio.wait_for(asyncio.gather(*settle), DRAIN_TIMEOUT_S))
+            except (TimeoutError, asyncio.CancelledError):
+                log.error("READs of %s did not settle in %.0f s", p.remote_request_id, DRAIN_TIMEOUT_S)
+        notified = False
+        already_released = isinstance(err, KvsvcError) and err.reason == "LEASE_EXPIRED"
+        if not already_released:
+            try:
+                await asyncio.shield(peer.client.notify(pb.NotifyRequest(
+                    request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED, engine_id=self.node.config.engine_id,
+                    tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch), timeout_s=2.0))
+                notified = True
+            except (KvsvcError, asyncio.CancelledError):
+                log.warning("could not tell %s that %s was aborted", peer.address, p.remote_request_id)
+        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
+        if isinstance(err, KvsvcError):
+            err.details = (*err.details, failure)
+        elif not isinstance(err, asyncio.CancelledError):
+            log.exception("transfer %s failed", p.remote_request_id, exc_info=err)
+

@@ -1,0 +1,123 @@
+"""The P side of the service: answer handshakes, publish leases, take claims and notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from kvsvc.codec import _bad, block_ids_to_proto, layout_from_proto, layout_to_proto
+from kvsvc.config import Role
+from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.layout.compat import compatibility_hash
+from kvsvc.leases.table import Lease, LeaseState, Release, monotonic_to_unix_ms
+from kvsvc.mapping.geometry import check_block_ids
+from kvsvc.mapping.planner import Side, validate_pair
+from kvsvc.mapping.topology import tp_ratio
+from kvsvc.service.node import Node
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+HANDSHAKE_PROGRESS_S = 5.0
+
+LEASE_STATES = {
+    LeaseState.OFFERED: pb.LEASE_STATE_OFFERED, LeaseState.CLAIMED: pb.LEASE_STATE_CLAIMED,
+    LeaseState.CONSUMED: pb.LEASE_STATE_CONSUMED, LeaseState.EXPIRED: pb.LEASE_STATE_EXPIRED,
+    LeaseState.ABORTED: pb.LEASE_STATE_ABORTED,
+}
+RELEASE_REASONS = {
+    LeaseState.CONSUMED: pb.RELEASE_REASON_CONSUMED, LeaseState.EXPIRED: pb.RELEASE_REASON_EXPIRED,
+    LeaseState.ABORTED: pb.RELEASE_REASON_ABORTED,
+}
+NOTIFY_KINDS = {pb.NOTIFY_KIND_CONSUMED: "consumed", pb.NOTIFY_KIND_ABORTED: "aborted",
+                pb.NOTIFY_KIND_HEARTBEAT: "heartbeat"}
+
+
+def handshake(node: Node, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
+    """Validate the peer (engine, TP, layout) from the reader's side, then hand out rank metadata."""
+    node.require_role(Role.PREFILL, "Handshake")
+    data = node.require_data_plane("Handshake")
+    if not req.engine_id:
+        raise _bad("engine_id", "must be set", "MISSING_FIELD")
+    if req.tp_size == 0:
+        raise _bad("tp_size", "must be positive", "MISSING_FIELD")
+    if req.expected_engine_id and req.expected_engine_id != node.config.engine_id:
+        raise FailedPrecondition("UNKNOWN_ENGINE", f"this server hosts engine {node.config.engine_id!r}, not "
+                                 f"{req.expected_engine_id!r}; check the address the router handed out",
+                                 {"expected_engine_id": req.expected_engine_id, "engine_id": node.config.engine_id})
+    tp_ratio(req.tp_size, node.config.tp_size)
+    if not req.HasField("layout"):
+        raise _bad("layout", "must be set", "MISSING_FIELD")
+    peer_layout = layout_from_proto(req.layout, "layout", req.tp_size)
+    if req.layout_hash and req.layout_hash != compatibility_hash(peer_layout):
+        raise InvalidArgument("LAYOUT_HASH_MISMATCH", f"layout_hash {req.layout_hash} does not match the layout "
+                              f"sent ({compatibility_hash(peer_layout)}): kvsvc versions differ?",
+                              {"layout_hash": req.layout_hash, "computed": compatibility_hash(peer_layout)})
+    validate_pair(Side.of(peer_layout, req.tp_size), node.side)
+    ranks = list(req.ranks) or list(node.hosted_ranks)
+    missing = [r for r in ranks if r not in node.hosted_ranks]
+    if missing:
+        raise FailedPrecondition("PEER_RANKS_MISSING", f"ranks {missing} are not hosted by this server (hosted: "
+                                 f"{list(node.hosted_ranks)}); ask the server of the node that hosts them",
+                                 {"ranks": ",".join(map(str, missing))})
+    # The reader wires up its UCX endpoints right after this answer; a target that does
+    # not progress would stall that, so progress for a while.
+    data.need_progress(+1)
+    asyncio.get_running_loop().call_later(HANDSHAKE_PROGRESS_S, data.need_progress, -1)
+    return pb.HandshakeResponse(
+        engine_id=node.config.engine_id, epoch=node.epoch, tp_size=node.config.tp_size,
+        layout=layout_to_proto(node.layout),
+        ranks=[pb.RankHandshake(tp_rank=r, agent_name=data.agents[r].name, agent_metadata=data.metadata(r),
+                                regions=node.region_table(r)) for r in ranks],
+    )
+
+
+def _ttl_s(ms: int) -> float | None:
+    return ms / 1000 if ms else None
+
+
+def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksResponse:
+    node.require_role(Role.PREFILL, "PublishBlocks")
+    node.require_data_plane("PublishBlocks")
+    groups = [list(g.block_ids) for g in req.block_ids_per_group]
+    if len(groups) != len(node.layout.groups):
+        raise InvalidArgument("UNKNOWN_GROUP", f"block ids name {len(groups)} groups but the layout has "
+                              f"{len(node.layout.groups)}", {"given_groups": len(groups),
+                                                             "layout_groups": len(node.layout.groups)})
+    for g, ids in enumerate(groups):
+        check_block_ids(np.asarray(ids, np.int64), node.layout.num_blocks, side="local", group=g)
+    lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms))
+    params = pb.TransferParams(
+        remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
+        remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
+        remote_tp_size=node.config.tp_size)
+    return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+
+
+def claim(node: Node, req: pb.ClaimLeaseRequest) -> pb.ClaimLeaseResponse:
+    node.require_role(Role.PREFILL, "ClaimLease")
+    if req.tp_size == 0:
+        raise _bad("tp_size", "must be positive", "MISSING_FIELD")
+    lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, req.engine_id, req.tp_size,
+                                     _ttl_s(req.extend_ms))
+    return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
+                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+
+
+def notify(node: Node, req: pb.NotifyRequest) -> pb.NotifyResponse:
+    node.require_role(Role.PREFILL, "Notify")
+    if req.kind not in NOTIFY_KINDS:
+        raise _bad("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
+                   value=req.kind)
+    if not req.request_id:
+        raise _bad("request_id", "must be set (the P-side request id)", "MISSING_FIELD")
+    state, pending = node.leases.notify(req.request_id, NOTIFY_KINDS[req.kind], list(req.done_ranks),
+                                        req.lease_epoch, req.tp_size)
+    return pb.NotifyResponse(state=LEASE_STATES.get(state, pb.LEASE_STATE_UNKNOWN) if state else
+                             pb.LEASE_STATE_UNKNOWN, pending_ranks=pending)
+
+
+def release_to_proto(ev: Release) -> pb.WatchReleasesResponse:
+    return pb.WatchReleasesResponse(request_id=ev.request_id, reason=RELEASE_REASONS[ev.reason],
+                                    block_ids_per_group=block_ids_to_proto(ev.block_ids),
+                                    released_unix_ms=ev.released_unix_ms)

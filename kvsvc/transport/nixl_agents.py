@@ -1,0 +1,166 @@
+"""The NIXL boundary: one agent per hosted rank, registered pools, remote agents, READs.
+
+Every NIXL call goes through NixlThread; NIXL's exceptions become kvsvc errors here and
+nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvsvc.errors import Internal, KvsvcError, Unavailable
+from kvsvc.memory.pools import Pool
+from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
+
+log = logging.getLogger(__name__)
+
+
+def nixl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nixl")
+    except Exception:
+        return ""
+
+
+def _load_nixl() -> Any:
+    try:
+        from nixl import _api
+    except Exception as e:  # missing wheel or missing shared libraries
+        raise Unavailable("NIXL_UNAVAILABLE", f"NIXL cannot be loaded: {e}") from e
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # NIXL's Python logger prints every agent creation to stdout at INFO.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return _api
+
+
+@dataclass
+class RankAgent:
+    """A hosted rank's NIXL agent and its registered pool."""
+
+    rank: int
+    name: str
+    agent: Any
+    pool: Pool
+    reg: Any
+    metadata: bytes
+
+
+class NixlDataPlane:
+    """All NIXL state of one server process."""
+
+    def __init__(self, engine_id: str, epoch: int, pools: Mapping[int, Pool]) -> None:
+        self._engine_id = engine_id
+        self._epoch = epoch
+        self._pools = dict(pools)
+        self._thread = NixlThread()
+        self.agents: dict[int, RankAgent] = {}
+        self._remotes: dict[tuple[int, str], str] = {}
+        self._remote_lock = asyncio.Lock()
+        self.backends = ["UCX"]
+        self.version = nixl_version()
+        self.notifications = 0
+        self.transports_seen: set[str] = set()
+        self._closed = False
+
+    def agent_name(self, rank: int) -> str:
+        return f"{self._engine_id}/{self._epoch:x}/r{rank}"
+
+    async def start(self) -> None:
+        api = _load_nixl()
+        self._thread.start()
+        for rank, pool in sorted(self._pools.items()):
+            self.agents[rank] = await self._guard(self._thread.call(self._make_agent, api, rank, pool), "create agent")
+        self._thread.set_progress([a.agent for a in self.agents.values()], self._on_notifs)
+
+    def _make_agent(self, api: Any, rank: int, pool: Pool) -> RankAgent:
+        cfg = api.nixl_agent_config(enable_prog_thread=False, backends=list(self.backends))
+        name = self.agent_name(rank)
+        agent = api.nixl_agent(name, cfg)
+        reg = agent.register_memory([(pool.base_address, pool.size_bytes, pool.device_id, "")], pool.memory_kind)
+        return RankAgent(rank, name, agent, pool, reg, bytes(agent.get_agent_metadata()))
+
+    def _on_notifs(self, agent: Any, notifs: dict[str, list[bytes]]) -> None:
+        # Reads carry "p_request_id:d_rank" for engines that drive NIXL themselves; kvsvc
+        # releases on the Notify RPC, so here they are only counted.
+        self.notifications += sum(len(v) for v in notifs.values())
+
+    async def _guard(self, coro: Any, what: str) -> Any:
+        try:
+            return await coro
+        except KvsvcError:
+            raise
+        except TransferError as e:
+            raise Internal("TRANSFER_FAILED", f"{what}: {e}") from e
+        except Exception as e:
+            raise Internal("NIXL_ERROR", f"{what}: {type(e).__name__}: {e}") from e
+
+    def metadata(self, rank: int) -> bytes:
+        return self.agents[rank].metadata
+
+    async def connect(self, local_rank: int, remote_metadata: bytes, remote_name: str) -> str:
+        """Make remote_name known to local_rank's agent (once); returns the name NIXL uses."""
+        key = (local_rank, remote_name)
+        async with self._remote_lock:
+            if key not in self._remotes:
+                agent = self.agents[local_rank].agent
+                name = await self._guard(self._thread.call(agent.add_remote_agent, remote_metadata), "add remote agent")
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                # Pay UCX wire-up now (the peer progresses after a handshake), not on the first READ.
+                await self._guard(self._thread.call(agent.make_connection, name), "connect to remote agent")
+                self._remotes[key] = name
+            return self._remotes[key]
+
+    async def forget(self, remote_names: set[str]) -> None:
+        """Drop remote agents (a peer restarted): later reads must re-handshake."""
+        async with self._remote_lock:
+            for (rank, remote), name in list(self._remotes.items()):
+                if remote in remote_names:
+                    del self._remotes[(rank, remote)]
+                    agent = self.agents[rank].agent
+                    try:
+                        await self._thread.call(agent.remove_remote_agent, name)
+                    except Exception:
+                        log.warning("remove_remote_agent %s failed", name, exc_info=True)
+
+    async def read(
+        self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
+        length: np.ndarray, notif: bytes,
+    ) -> InFlight:
+        """Post one READ of len(length) descriptors; the InFlight resolves with its duration."""
+        ra = self.agents[local_rank]
+        dev = ra.pool.device_id
+        mem = ra.pool.memory_kind
+
+        def make() -> Any:
+            local = np.stack([local_addr, length, np.full_like(length, dev)], axis=1).astype(np.uint64)
+            remote = np.stack([remote_addr, length, np.zeros_like(length)], axis=1).astype(np.uint64)
+            ld = ra.agent.get_xfer_descs(local, mem)
+            rd = ra.agent.get_xfer_descs(remote, mem)
+            return ra.agent.initialize_xfer("READ", ld, rd, remote_name, notif)
+
+        return await self._guard(self._thread.post(ra.agent, make), "post READ")  # type: ignore[no-any-return]
+
+    def need_progress(self, delta: int) -> None:
+        self._thread.need_progress(delta)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ra in self.agents.values():
+            try:
+                await self._thread.call(ra.agent.deregister_memory, ra.reg)
+            except Exception:
+                log.warning("deregister rank %d failed", ra.rank, exc_info=True)
+        drop: Callable[[], None] = self.agents.clear
+        await self._thread.call(drop)  # agents are destroyed on the NIXL thread too
+        self._thread.stop()

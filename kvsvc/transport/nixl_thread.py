@@ -1,0 +1,205 @@
+"""The one thread that makes every NIXL call of the process, and the progress pump on it.
+
+NIXL is not thread-safe, and with its own progress thread off (twice the bandwidth on
+small machines) someone must drive progress. Both jobs live here: the thread executes
+queued calls and, while transfers are in flight or peers may be reading, polls their
+state with short sleeps that grow to PROGRESS_MAX_SLEEP_S. With nothing in flight it
+blocks on its queue and uses no CPU. Results reach asyncio as futures resolved with
+call_soon_threadsafe; nothing polls on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PROGRESS_MIN_SLEEP_S = 20e-6
+PROGRESS_MAX_SLEEP_S = 1e-3
+_STOP = object()
+
+
+@dataclass
+class InFlight:
+    """One posted transfer: its agent, handle, and the futures that report it."""
+
+    agent: Any
+    handle: Any
+    loop: asyncio.AbstractEventLoop
+    result: asyncio.Future[float]
+    settled: asyncio.Event
+    posted_at: float = field(default_factory=time.perf_counter)
+
+
+class TransferError(Exception):
+    """A NIXL transfer ended in error (translated to a kvsvc error by the caller's layer)."""
+
+
+class NixlThread:
+    """Owner of the NIXL thread. start() once; stop() ends it after in-flight work settles."""
+
+    def __init__(self, name: str = "kvsvc-nixl") -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inflight: list[InFlight] = []
+        self._progress_agents: list[Any] = []
+        self._progress_refs = 0
+        self._notif_sink: Callable[[Any, dict[str, list[bytes]]], None] | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._started and self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout_s)
+
+    # ---- asyncio side ---------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the NIXL thread and await its result (or exception)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, args, fut, loop))
+        return await fut
+
+    async def post(self, agent: Any, make_handle: Callable[[], Any]) -> InFlight:
+        """Create (on the thread) and post a transfer; the returned InFlight resolves later."""
+        loop = asyncio.get_running_loop()
+        fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
+        posted: asyncio.Future[InFlight] = loop.create_future()
+        self._jobs.put((self._post, (fl, make_handle), posted, loop))
+        return await posted
+
+    def set_progress(self, agents: list[Any], notif_sink: Callable[[Any, dict[str, list[bytes]]], None]) -> None:
+        """Agents that peers read from: progressed (and their notifications drained) while needed."""
+        self._jobs.put((self._set_progress, (agents, notif_sink), None, None))
+
+    def need_progress(self, delta: int) -> None:
+        """+1 while a peer may be reading (a claimed lease), -1 when that ends."""
+        self._jobs.put((self._adjust_progress, (delta,), None, None))
+
+    # ---- NIXL thread side -----------------------------------------------------------
+
+    def _set_progress(self, agents: list[Any], sink: Callable[[Any, dict[str, list[bytes]]], None]) -> None:
+        self._progress_agents, self._notif_sink = list(agents), sink
+
+    def _adjust_progress(self, delta: int) -> None:
+        self._progress_refs = max(0, self._progress_refs + delta)
+
+    def _post(self, fl: InFlight, make_handle: Callable[[], Any]) -> InFlight:
+        fl.handle = make_handle()
+        fl.posted_at = time.perf_counter()
+        state = fl.agent.transfer(fl.handle)
+        if state == "ERR":
+            self._finish(fl, TransferError("NIXL refused to post the transfer"))
+        elif state == "DONE":
+            self._finish(fl, None)
+        else:
+            self._inflight.append(fl)
+        return fl
+
+    def _finish(self, fl: InFlight, error: Exception | None) -> None:
+        elapsed = time.perf_counter() - fl.posted_at
+        try:
+            fl.agent.release_xfer_handle(fl.handle)
+        except Exception:  # releasing a failed handle may fail too; the transfer is over either way
+            log.debug("release_xfer_handle failed", exc_info=True)
+
+        def resolve() -> None:
+            if not fl.result.done():
+                if error is None:
+                    fl.result.set_result(elapsed)
+                else:
+                    fl.result.set_exception(error)
+            fl.settled.set()
+
+        fl.loop.call_soon_threadsafe(resolve)
+
+    def _poll(self) -> bool:
+        """Advance every in-flight transfer once; True when something completed."""
+        progressed = False
+        still: list[InFlight] = []
+        for fl in self._inflight:
+            err: Exception | None = None
+            try:
+                state = fl.agent.check_xfer_state(fl.handle)
+            except Exception as e:
+                state, err = "ERR", e
+            if state == "PROC":
+                still.append(fl)
+                continue
+            progressed = True
+            self._finish(fl, None if state == "DONE" else TransferError(f"transfer failed: {err or state}"))
+        self._inflight = still
+        if self._progress_refs and self._progress_agents:
+            for agent in self._progress_agents:
+                try:
+                    notifs = agent.get_new_notifs()
+                except Exception:
+                    log.warning("progressing a NIXL agent failed", exc_info=True)
+                    continue
+                if notifs and self._notif_sink is not None:
+                    self._notif_sink(agent, notifs)
+        return progressed
+
+    def _run_job(self, job: Any) -> None:
+        fn, args, fut, loop = job
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:
+            result, error = None, e
+        if fut is None:
+            if error is not None:
+                log.error("NIXL job %s failed: %s", getattr(fn, "__name__", fn), error)
+            return
+
+        def resolve() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        loop.call_soon_threadsafe(resolve)
+
+    def _main(self) -> None:
+        sleep = PROGRESS_MIN_SLEEP_S
+        while True:
+            busy = bool(self._inflight) or (self._progress_refs > 0 and bool(self._progress_agents))
+            try:
+                job = self._jobs.get(timeout=sleep) if busy else self._jobs.get()
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                self._drain_for_stop()
+                return
+            if job is not None:
+                self._run_job(job)
+                sleep = PROGRESS_MIN_SLEEP_S
+            if self._poll():
+                sleep = PROGRESS_MIN_SLEEP_S
+            elif job is None:
+                sleep = min(sleep * 2, PROGRESS_MAX_SLEEP_S)
+
+    def _drain_for_stop(self, timeout_s: float = 5.0) -> None:
+        end = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < end:
+            self._poll()
+            time.sleep(PROGRESS_MIN_SLEEP_S)
+        for fl in self._inflight:
+            self._finish(fl, TransferError("server stopped before the transfer completed"))
+        self._inflight = []
