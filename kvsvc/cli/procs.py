@@ -37,6 +37,8 @@ class ServerProcess:
                 self.proc.wait()
         if self._reader is not None:
             self._reader.join(2)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -51,11 +53,11 @@ def start_server(
     timeout_s: float = 60.0,
 ) -> ServerProcess:
     """Spawn a server and wait until it prints its address (raises with its output if it dies)."""
-    cmd = [sys.executable, "-m", "kvsvc.cli.main", *(["-vv"] if os.environ.get("KVSVC_DEBUG") else []), "serve", "--listen", listen, "--engine-id", engine_id,
+    env = dict(os.environ, **(extra_env or {}))
+    cmd = [sys.executable, "-m", "kvsvc.cli.main", *(["-vv"] if env.get("KVSVC_DEBUG") else []), "serve", "--listen", listen, "--engine-id", engine_id,
            "--role", role, "--tp-size", str(tp_size), "--memory", memory, "--layout-json", json.dumps(layout)]
     if ranks is not None:
         cmd += ["--ranks", ",".join(map(str, ranks))]
-    env = dict(os.environ, **(extra_env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out: list[str] = []
     deadline = time.monotonic() + timeout_s

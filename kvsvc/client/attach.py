@@ -19,13 +19,10 @@ class AttachedPool:
 
     def __init__(self, info: pb.PoolInfo) -> None:
         self.info = info
-        self._shm: Any = None
-        self._cuda_base: int | None = None
         if info.memory_kind == pb.MEMORY_KIND_DRAM:
             from kvsvc.memory.pools import attach_shm
 
-            self._shm = attach_shm(info.shm_name)
-            self.buffer: Any = np.frombuffer(self._shm.buf, dtype=np.uint8, count=info.size_bytes)
+            self.buffer: Any = attach_shm(info.shm_name, info.size_bytes)
         elif info.memory_kind == pb.MEMORY_KIND_VRAM:
             self.buffer = _open_cuda(info)
         else:
@@ -41,14 +38,8 @@ class AttachedPool:
         return self.buffer[start:].as_strided((n, length), (stride, 1))
 
     def close(self) -> None:
-        """Unmap (views must be dropped first)."""
+        """Drop this handle's reference; the mapping goes when no view of it is left."""
         self.buffer = None
-        if self._shm is not None:
-            try:
-                self._shm.close()
-            except BufferError:  # a view is still alive; the mapping goes with the process
-                pass
-            self._shm = None
 
     def __enter__(self) -> AttachedPool:
         return self

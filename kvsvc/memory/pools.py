@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -112,14 +112,17 @@ def shm_name_for(engine_id: str, epoch: int, rank: int) -> str:
     return f"kvsvc-{safe}-{epoch & 0xFFFFFFFF:08x}-r{rank}"
 
 
-def attach_shm(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment without letting this process's resource tracker unlink it at exit."""
-    shm = shared_memory.SharedMemory(name=name)
+def attach_shm(name: str, size_bytes: int) -> np.ndarray:
+    """Map an existing segment as a flat uint8 array.
+
+    np.memmap unmaps when the last view is gone, so no close() can fail on live views,
+    and no resource tracker of this process unlinks the server's segment at exit.
+    """
     try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:  # the tracker may not know it; nothing to undo then
-        pass
-    return shm
+        return np.memmap(f"/dev/shm/{name.lstrip('/')}", dtype=np.uint8, mode="r+", shape=(size_bytes,))
+    except FileNotFoundError as e:
+        raise FailedPrecondition("POOL_NOT_FOUND", f"shared memory {name} does not exist (server stopped?)",
+                                 {"shm_name": name}) from e
 
 
 def _cuda_ipc_handle(ptr: int) -> tuple[bytes, int]:

@@ -121,9 +121,9 @@ class Decoder:
         marks.append(("notify", time.perf_counter()))
         if log.isEnabledFor(logging.DEBUG):
             prev, phases = started, []
-            for name, t in marks:
-                phases.append(f"{name} {1e3 * (t - prev):.2f} ms")
-                prev = t
+            for name, at in marks:
+                phases.append(f"{name} {1e3 * (at - prev):.2f} ms")
+                prev = at
             log.debug("transfer %s: %s", req.request_id, ", ".join(phases))
         per_rank: dict[int, pb.RankTransferResult] = {
             t: pb.RankTransferResult(local_rank=t) for t in node.hosted_ranks}

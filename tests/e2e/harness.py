@@ -1,0 +1,128 @@
+"""E2E helpers: real server processes, engine-side pool access, reference fill and check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsvc.cli.procs import ServerProcess, start_server
+from kvsvc.client import AsyncClient
+from kvsvc.client.attach import attach_pool
+from kvsvc.codec import layout_from_proto
+from kvsvc.layout.engine import EngineLayout
+from kvsvc.layout.regions import build_pool_layout
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from kvsvc.verify import RankMemory, check_rank, fill_rank
+
+
+def layout_table(*, k: int = 4, layers: int = 2, head: int = 4, block: int = 4, nb: int = 32, mla: bool = False,
+                 dtype: str = "float32", extra: list[dict[str, Any]] | None = None, groups=None,
+                 **kw: Any) -> dict[str, Any]:
+    main = [{"name": "mla" if mla else "full", "kind": "mla" if mla else "full_attention", "num_layers": layers,
+             "head_size": head}]
+    return {"model_id": "e2e", "total_num_kv_heads": k, "block_size": block, "num_blocks": nb, "dtype": dtype,
+            "groups": groups if groups is not None else main + (extra or []), **kw}
+
+
+@contextlib.contextmanager
+def servers(p_tp: int, d_tp: int, p_layout: Mapping[str, Any], d_layout: Mapping[str, Any] | None = None,
+            ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=p_tp, layout=p_layout)
+    try:
+        d = start_server(engine_id="e2e-decode", role="decode", tp_size=d_tp, layout=d_layout or p_layout)
+    except BaseException:
+        p.stop()
+        raise
+    try:
+        yield p, d
+    finally:
+        codes = (p.stop(), d.stop())
+        assert codes == (0, 0), f"servers exited {codes}:\n{''.join(p.output[-20:])}\n{''.join(d.output[-20:])}"
+
+
+@dataclass
+class Engine:
+    """The engine side of one server: its info, layout and pools as an engine maps them."""
+
+    info: pb.GetInfoResponse
+    layout: EngineLayout
+    mem: dict[int, RankMemory] = field(default_factory=dict)
+    _attached: list[Any] = field(default_factory=list)
+
+    @classmethod
+    async def of(cls, client: AsyncClient) -> Engine:
+        info = await client.get_info()
+        layout = layout_from_proto(info.layout, tp_size=info.tp_size)
+        eng = cls(info, layout)
+        regions = build_pool_layout(layout).regions
+        for pool in info.pools:
+            ap = attach_pool(pool)
+            eng._attached.append(ap)
+            eng.mem[pool.tp_rank] = RankMemory(regions, ap.buffer)
+        return eng
+
+    def fill(self, ids: list[list[int]]) -> None:
+        for rank, mem in self.mem.items():
+            fill_rank(mem, rank, self.info.tp_size, self.layout.total_num_kv_heads, ids, self.layout.block_size)
+
+    def check(self, ids: list[list[int]], first_position: list[int] | None = None) -> dict[int, list[str]]:
+        out = {}
+        for rank, mem in self.mem.items():
+            errs = check_rank(mem, rank, self.info.tp_size, self.layout.total_num_kv_heads, ids,
+                              self.layout.block_size, first_position)
+            if errs:
+                out[rank] = errs[:3]
+        return out
+
+    def snapshot(self) -> dict[int, bytes]:
+        return {r: bytes(m.buf) for r, m in self.mem.items()}
+
+    def close(self) -> None:
+        self.mem.clear()
+        for ap in self._attached:
+            ap.close()
+
+
+class ReleaseWatch:
+    """Collects P's WatchReleases events in the background."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.events: list[pb.WatchReleasesResponse] = []
+        self._task = asyncio.ensure_future(self._run(client))
+
+    async def _run(self, client: AsyncClient) -> None:
+        async for ev in client.watch_releases():
+            self.events.append(ev)
+
+    async def wait_for(self, request_id: str, timeout_s: float = 10.0) -> list[pb.WatchReleasesResponse]:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while loop.time() < end:
+            got = [e for e in self.events if e.request_id == request_id]
+            if got:
+                await asyncio.sleep(0.2)  # a duplicate would arrive right behind the first
+                return [e for e in self.events if e.request_id == request_id]
+            await asyncio.sleep(0.02)
+        return []
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+
+async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: Engine, watch: ReleaseWatch,
+                             request_id: str, p_ids: list[list[int]], d_ids: list[list[int]],
+                             first_position: list[int] | None = None) -> pb.TransferResponse:
+    """Fill P, publish, Transfer on D, and assert D's bytes and exactly one CONSUMED release."""
+    pe.fill(p_ids)
+    pub = await pc.publish_blocks(request_id, p_ids)
+    resp = await dc.transfer("d-" + request_id, pub.params, d_ids, timeout_s=60)
+    errors = de.check(d_ids, first_position)
+    assert not errors, errors
+    events = await watch.wait_for(request_id)
+    assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED], events
+    return resp
