@@ -24,7 +24,7 @@ async def test_expiry_release_and_refused_read():
             try:
                 await asyncio.sleep(0.05)
                 pe.fill([[1, 2, 3]])
-                for rank, mem in de.mem.items():  # D's destination blocks hold the engine's own data
+                for mem in de.mem.values():  # D's destination blocks hold the engine's own data
                     mem.buf[:] = np.uint8(0xAB)
                 before = de.snapshot()
                 pub = await pc.publish_blocks("short", [[1, 2, 3]], lease_ttl_ms=300)
