@@ -31,7 +31,8 @@ def nixl_version() -> str:
         return ""
 
 
-def _load_nixl() -> Any:
+def load_nixl() -> Any:
+    """nixl._api, with NIXL's chatty INFO logging turned down; NIXL_UNAVAILABLE if it cannot load."""
     try:
         from nixl import _api
     except Exception as e:  # missing wheel or missing shared libraries
@@ -75,7 +76,7 @@ class NixlDataPlane:
         return f"{self._engine_id}/{self._epoch:x}/r{rank}"
 
     async def start(self) -> None:
-        api = _load_nixl()
+        api = load_nixl()
         self._thread.start()
         for rank, pool in sorted(self._pools.items()):
             self.agents[rank] = await self._guard(self._thread.call(self._make_agent, api, rank, pool), "create agent")
