@@ -54,7 +54,6 @@ class Steps:
 async def _run(args: argparse.Namespace, p: ServerProcess, d: ServerProcess, steps: Steps) -> bool:
     async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
         pinfo, dinfo = await pc.get_info(), await dc.get_info()
-        steps.note(f"transport: NIXL {pinfo.transport.nixl_version or '?'}, backends {list(pinfo.transport.backends)}")
         rng = random.Random(7)
         p_layout = layout_from_proto(pinfo.layout, tp_size=pinfo.tp_size)
         d_layout = layout_from_proto(dinfo.layout, tp_size=dinfo.tp_size)
@@ -89,6 +88,8 @@ async def _run(args: argparse.Namespace, p: ServerProcess, d: ServerProcess, ste
         for r in resp.ranks:
             steps.note(f"rank {r.local_rank}: {r.bytes / 2**20:.2f} MiB, {r.num_descriptors} descriptors, "
                        f"{r.duration_us / 1e3:.1f} ms on the wire")
+        transports = (await dc.get_info()).transport.ucx_transports
+        steps.note(f"UCX picked: {', '.join(transports) or 'unknown'} (first transfer to a peer includes wire-up)")
 
         steps.start("verifying decode pools against the reference")
         d_regions = build_pool_layout(d_layout).regions

@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from kvsvc.errors import Internal, KvsvcError, Unavailable
 from kvsvc.memory.pools import Pool
 from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
+from kvsvc.transport.ucx_probe import enable_protocol_log, read_transports, remove_log
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +71,19 @@ class NixlDataPlane:
         self.backends = ["UCX"]
         self.version = nixl_version()
         self.notifications = 0
-        self.transports_seen: set[str] = set()
+        self._ucx_log: Path | None = None
         self._closed = False
 
     def agent_name(self, rank: int) -> str:
         return f"{self._engine_id}/{self._epoch:x}/r{rank}"
 
+    @property
+    def transports_seen(self) -> list[str]:
+        """UCX transports chosen so far, per operation (see ucx_probe)."""
+        return read_transports(self._ucx_log)
+
     async def start(self) -> None:
+        self._ucx_log = enable_protocol_log()  # before UCX reads its environment
         api = load_nixl()
         self._thread.start()
         for rank, pool in sorted(self._pools.items()):
@@ -165,3 +173,4 @@ class NixlDataPlane:
         drop: Callable[[], None] = self.agents.clear
         await self._thread.call(drop)  # agents are destroyed on the NIXL thread too
         self._thread.stop()
+        remove_log(self._ucx_log)

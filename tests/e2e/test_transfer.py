@@ -26,6 +26,9 @@ async def test_transfer_matches_reference(p_tp, d_tp, layout):
                 assert resp.total_bytes > 0 and len(resp.ranks) == d_tp
                 # A second request reuses the cached handshake and different blocks.
                 await transfer_and_check(pc, dc, pe, de, watch, "req-b", [[1, 2, 3]], [[10, 11, 12]])
+                # GetInfo names the transport UCX picked for READs (cma between processes here).
+                transports = (await dc.get_info()).transport.ucx_transports
+                assert any(t.startswith("rma_get:") for t in transports), transports
             finally:
                 await watch.close()
                 pe.close()
