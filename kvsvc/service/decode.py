@@ -14,7 +14,7 @@ from kvsvc.config import Role
 from kvsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.node import Node
-from kvsvc.service.peers import Peer, PeerCache
+from kvsvc.service.peers import Peer, PeerCache, RemoteRank
 from kvsvc.transport.nixl_thread import InFlight
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -33,8 +33,8 @@ class Posted:
     descriptors: int
 
 
-def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[int, str, np.ndarray, np.ndarray, np.ndarray]]:
-    """(remote rank, agent name, local addresses, remote addresses, lengths) per source rank."""
+def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]:
+    """(remote rank, local addresses, remote addresses, lengths) per source rank."""
     pool = node.pools[plan.local_rank]
     local_base = np.array([pool.base_address + r.pool_offset for r in node.side.pool.regions], dtype=np.int64)
     out = []
@@ -46,7 +46,7 @@ def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[int, str, n
             raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill rank {reads.remote_rank} was not in the "
                                      "handshake", {"rank": reads.remote_rank})
         remote_base = np.asarray(rr.region_bases, dtype=np.int64)
-        out.append((reads.remote_rank, rr.agent_name, local_base[reads.local_region] + reads.local_offset,
+        out.append((rr, local_base[reads.local_region] + reads.local_offset,
                     remote_base[reads.remote_region] + reads.remote_offset, reads.length))
     return out
 
@@ -90,9 +90,9 @@ class Decoder:
         marks.append(("claim", time.perf_counter()))
         posted: list[Posted] = []
         try:
-            for t, (_r, agent_name, la, ra, ln) in reads:
+            for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
-                fl = await data.read(t, agent_name, la, ra, ln, notif)
+                fl = await data.read(t, rr.agent_name, la, ra, ln, notif, rr.memory_kind, rr.device_id)
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
             waits = asyncio.gather(*(x.flight.result for x in posted))

@@ -144,11 +144,14 @@ class Node:
         base = self.pools[rank].base_address if rank in self.pools else 0
         return [region_to_proto(r, base + r.pool_offset if base else 0) for r in self.side.pool.regions]
 
+    def memory_kind(self, rank: int) -> int:
+        return pb.MEMORY_KIND_VRAM if self.pools[rank].memory_kind == "VRAM" else pb.MEMORY_KIND_DRAM
+
     def pool_infos(self) -> list[pb.PoolInfo]:
         out = []
         for rank, pool in sorted(self.pools.items()):
             out.append(pb.PoolInfo(
-                tp_rank=rank, memory_kind=pb.MEMORY_KIND_VRAM if pool.memory_kind == "VRAM" else pb.MEMORY_KIND_DRAM,
+                tp_rank=rank, memory_kind=self.memory_kind(rank),
                 shm_name=pool.shm_name, size_bytes=pool.size_bytes, cuda_ipc_handle=pool.cuda_ipc_handle,
                 cuda_ipc_offset_bytes=pool.cuda_ipc_offset, device_id=pool.device_id, regions=self.region_table(rank)))
         return out

@@ -24,6 +24,8 @@ class RemoteRank:
     rank: int
     agent_name: str
     region_bases: list[int]
+    memory_kind: str = "DRAM"
+    device_id: int = 0
 
 
 @dataclass
@@ -97,7 +99,8 @@ class PeerCache:
                 layout_hash=node.layout_hash, ranks=targets, expected_engine_id=expected_engine_id))
             side = Side.of(layout_from_proto(resp.layout, "handshake.layout", resp.tp_size), resp.tp_size)
             validate_pair(node.side, side)  # both sides check: never trust one
-            ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions])
+            ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions],
+                                           "VRAM" if h.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM", h.device_id)
                      for h in resp.ranks}
             peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client)
             for h in resp.ranks:

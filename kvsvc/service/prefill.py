@@ -68,7 +68,8 @@ def handshake(node: Node, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
         engine_id=node.config.engine_id, epoch=node.epoch, tp_size=node.config.tp_size,
         layout=layout_to_proto(node.layout),
         ranks=[pb.RankHandshake(tp_rank=r, agent_name=data.agents[r].name, agent_metadata=data.metadata(r),
-                                regions=node.region_table(r)) for r in ranks],
+                                regions=node.region_table(r), memory_kind=node.memory_kind(r),
+                                device_id=node.pools[r].device_id) for r in ranks],
     )
 
 

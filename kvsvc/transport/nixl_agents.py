@@ -142,18 +142,16 @@ class NixlDataPlane:
 
     async def read(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-        length: np.ndarray, notif: bytes,
+        length: np.ndarray, notif: bytes, remote_memory: str = "DRAM", remote_device: int = 0,
     ) -> InFlight:
         """Post one READ of len(length) descriptors; the InFlight resolves with its duration."""
         ra = self.agents[local_rank]
-        dev = ra.pool.device_id
-        mem = ra.pool.memory_kind
 
         def make() -> Any:
-            local = np.stack([local_addr, length, np.full_like(length, dev)], axis=1).astype(np.uint64)
-            remote = np.stack([remote_addr, length, np.zeros_like(length)], axis=1).astype(np.uint64)
-            ld = ra.agent.get_xfer_descs(local, mem)
-            rd = ra.agent.get_xfer_descs(remote, mem)
+            local = np.stack([local_addr, length, np.full_like(length, ra.pool.device_id)], axis=1).astype(np.uint64)
+            remote = np.stack([remote_addr, length, np.full_like(length, remote_device)], axis=1).astype(np.uint64)
+            ld = ra.agent.get_xfer_descs(local, ra.pool.memory_kind)
+            rd = ra.agent.get_xfer_descs(remote, remote_memory)
             return ra.agent.initialize_xfer("READ", ld, rd, remote_name, notif)
 
         return await self._guard(self._thread.post(ra.agent, make), "post READ")  # type: ignore[no-any-return]

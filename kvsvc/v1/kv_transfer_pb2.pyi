@@ -321,16 +321,20 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., expected_engine_id: _Optional[str] = ...) -> None: ...
 
 class RankHandshake(_message.Message):
-    __slots__ = ("tp_rank", "agent_name", "agent_metadata", "regions")
+    __slots__ = ("tp_rank", "agent_name", "agent_metadata", "regions", "memory_kind", "device_id")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     agent_name: str
     agent_metadata: bytes
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
-    def __init__(self, tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
+    memory_kind: MemoryKind
+    device_id: int
+    def __init__(self, tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("engine_id", "epoch", "tp_size", "layout", "ranks")
