@@ -144,7 +144,7 @@ class Node:
         base = self.pools[rank].base_address if rank in self.pools else 0
         return [region_to_proto(r, base + r.pool_offset if base else 0) for r in self.side.pool.regions]
 
-    def memory_kind(self, rank: int) -> int:
+    def memory_kind(self, rank: int) -> pb.MemoryKind:
         return pb.MEMORY_KIND_VRAM if self.pools[rank].memory_kind == "VRAM" else pb.MEMORY_KIND_DRAM
 
     def pool_infos(self) -> list[pb.PoolInfo]:
