@@ -1,0 +1,115 @@
+"""Transfer's failure paths with a fake data plane and peer (the real path is covered end to end).
+
+A deadline or a cancellation mid-read must (1) wait until the posted READs settle, so
+nothing writes D's blocks after the caller hears they are invalid, (2) tell P the
+request was aborted, keyed by the P-side id, and (3) say that no block is valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvsvc.config import MemoryMode, load_config
+from kvsvc.errors import DeadlineExceeded
+from kvsvc.layout import build_pool_layout
+from kvsvc.mapping import Side
+from kvsvc.memory.pools import Pool
+from kvsvc.service.decode import Decoder
+from kvsvc.service.node import Node
+from kvsvc.service.peers import Peer, RemoteRank
+from kvsvc.transport.nixl_thread import InFlight
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+
+class FakeData:
+    def __init__(self) -> None:
+        self.flights: list[InFlight] = []
+
+    async def read(self, *args, **kw) -> InFlight:
+        loop = asyncio.get_running_loop()
+        fl = InFlight(None, None, loop, loop.create_future(), asyncio.Event())
+        self.flights.append(fl)
+        return fl
+
+
+class FakePeerClient:
+    def __init__(self) -> None:
+        self.notified: list[pb.NotifyRequest] = []
+        self.settled_when_notified: list[bool] = []
+        self.data: FakeData | None = None
+
+    async def claim_lease(self, req, **kw):
+        return pb.ClaimLeaseResponse(lease_remaining_ms=30_000)
+
+    async def notify(self, req, **kw):
+        self.notified.append(req)
+        self.settled_when_notified.append(all(f.settled.is_set() for f in self.data.flights))
+        return pb.NotifyResponse(state=pb.LEASE_STATE_ABORTED)
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture
+def decoder():
+    node = Node(load_config(listen="127.0.0.1:0", tp_size=1, role=None, memory=MemoryMode.DRAM))
+    node.pools = {0: Pool(0, node.side.pool.size_bytes, 1 << 20)}
+    node.data = FakeData()  # type: ignore[assignment]
+    dec = Decoder(node)
+    client = FakePeerClient()
+    client.data = node.data
+    remote = Side.of(node.layout, 1)
+    regions = build_pool_layout(node.layout).regions
+    peer = Peer("p:1", "P", 42, remote, {0: RemoteRank(0, "P/r0", [(1 << 30) + r.pool_offset for r in regions])},
+                client)  # type: ignore[arg-type]
+
+    async def get(address, engine, epoch):
+        return peer
+
+    dec.peers.get = get  # type: ignore[method-assign]
+    return dec, client, node.data
+
+
+def request() -> pb.TransferRequest:
+    params = pb.TransferParams(remote_address="p:1", remote_engine_id="P", remote_request_id="p-side-id",
+                               remote_epoch=42, remote_block_ids_per_group=[pb.BlockIds(block_ids=[1, 2])])
+    return pb.TransferRequest(request_id="d-side-id", params=params,
+                              local_block_ids_per_group=[pb.BlockIds(block_ids=[3, 4])])
+
+
+def settle_later(data: FakeData, delay_s: float) -> None:
+    def settle() -> None:
+        for f in data.flights:
+            f.result.cancel()
+            f.settled.set()
+
+    asyncio.get_running_loop().call_later(delay_s, settle)
+
+
+async def test_deadline_waits_for_reads_then_aborts(decoder):
+    dec, client, data = decoder
+    task = asyncio.ensure_future(dec.transfer(request(), 0.05))
+    await asyncio.sleep(0.01)
+    assert data.flights, "reads were posted"
+    settle_later(data, 0.2)
+    with pytest.raises(DeadlineExceeded) as e:
+        await task
+    (note,) = client.notified
+    assert note.kind == pb.NOTIFY_KIND_ABORTED and note.request_id == "p-side-id"
+    assert client.settled_when_notified == [True]
+    failure = [d for d in e.value.details if isinstance(d, pb.TransferFailure)]
+    assert failure and not failure[0].valid_local_block_ids_per_group and failure[0].remote_notified
+
+
+async def test_cancel_waits_for_reads_then_aborts(decoder):
+    dec, client, data = decoder
+    task = asyncio.ensure_future(dec.transfer(request(), None))
+    await asyncio.sleep(0.01)
+    settle_later(data, 0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [n.kind for n in client.notified] == [pb.NOTIFY_KIND_ABORTED]
+    assert client.settled_when_notified == [True]
