@@ -7,6 +7,7 @@ nowhere else.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -36,12 +37,35 @@ def nixl_version() -> str:
 def load_nixl() -> Any:
     """nixl._api, with NIXL's chatty INFO logging turned down; NIXL_UNAVAILABLE if it cannot load."""
     try:
-        from nixl import _api
+        _api = _import_nixl_api()
     except Exception as e:  # missing wheel or missing shared libraries
         raise Unavailable("NIXL_UNAVAILABLE", f"NIXL cannot be loaded: {e}") from e
     if not os.environ.get("NIXL_LOG_LEVEL"):
         # NIXL's Python logger prints every agent creation to stdout at INFO.
         logging.getLogger("nixl").setLevel(logging.WARNING)
+    return _api
+
+
+def _import_nixl_api() -> Any:
+    """nixl._api, without the meta package's torch import on CPU-only builds.
+
+    The `nixl` meta package picks its CUDA variant from torch's CUDA version and, when
+    the installed torch has none (a CPU build), imports all of torch to ask (~1.5 s per
+    server start). With a CPU torch any variant runs host memory only, so take the
+    first one installed directly.
+    """
+    try:
+        from nixl_meta_utils import _torch_cuda_version_from_disk
+    except ImportError:
+        _torch_cuda_version_from_disk = None
+    if _torch_cuda_version_from_disk is not None and _torch_cuda_version_from_disk() is None:
+        for variant in ("nixl_cu13", "nixl_cu12"):
+            try:
+                return importlib.import_module(f"{variant}._api")
+            except ModuleNotFoundError:
+                continue
+    from nixl import _api
+
     return _api
 
 
