@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from kvsvc.errors import InvalidArgument
+from kvsvc.errors import KvsvcError
 from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, per_rank_heads
 from kvsvc.layout.regions import Region, RegionKind, build_pool_layout
 from kvsvc.layout.specs import (
@@ -59,7 +59,7 @@ def check_compatibility(
         for g in lay.groups:
             try:
                 spec_family(g.spec)
-            except InvalidArgument as e:
+            except KvsvcError as e:
                 out.append(_v(e.reason, f"{side} group {g.name!r}: {e.message}", side=side, group=g.name))
     if out and any(v.reason == "MIXED_FAMILY_GROUP" for v in out):
         return out
@@ -143,7 +143,11 @@ def _check_leaf(gi: int, layer: str, ls: KVCacheSpec, rs: KVCacheSpec) -> list[V
             out.append(_v("HEAD_SIZE_MISMATCH", f"layer {layer} head sizes differ: {ls.head_size} vs {rs.head_size}",
                           layer=layer, local_head_size=ls.head_size, remote_head_size=rs.head_size))
     if isinstance(ls, MambaSpec) and isinstance(rs, MambaSpec):
-        if ls.dtypes != rs.dtypes or [s[1:] for s in ls.shapes] != [s[1:] for s in rs.shapes]:
+        if len(ls.shapes) != len(rs.shapes):
+            out.append(_v("REGION_COUNT_MISMATCH", f"layer {layer} has {len(ls.shapes)} state regions locally and "
+                          f"{len(rs.shapes)} remotely", layer=layer, local_regions=len(ls.shapes),
+                          remote_regions=len(rs.shapes)))
+        elif ls.dtypes != rs.dtypes or [s[1:] for s in ls.shapes] != [s[1:] for s in rs.shapes]:
             out.append(_v("SSM_SHAPE_MISMATCH", f"layer {layer} state shapes or dtypes differ: "
                           f"{ls.shapes} vs {rs.shapes}", layer=layer,
                           local_shapes=ls.shapes, remote_shapes=rs.shapes))

@@ -110,7 +110,7 @@ class EngineLayout:
         for gi, group in enumerate(self.groups):
             where = f"layout.groups[{gi}]"
             try:
-                families.add(group.family)
+                families.add(group.family)  # a mixed-family wrapper raises MIXED_FAMILY_GROUP as is
             except InvalidArgument as e:
                 bad.append(FieldViolation(where + ".spec", e.message))
                 continue

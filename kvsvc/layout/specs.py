@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvsvc.errors import InvalidArgument
+from kvsvc.errors import FailedPrecondition, InvalidArgument
 
 
 class DType(enum.Enum):
@@ -161,7 +161,8 @@ def spec_family(spec: KVCacheSpec) -> SpecFamily:
     families = {name: spec_family_of_type(type(inner)) for name, inner in spec.layer_specs()}
     distinct = sorted({f.value for f in families.values()})
     if len(distinct) > 1:
-        raise InvalidArgument(
+        # A well-formed request for an unsupported combination: FAILED_PRECONDITION.
+        raise FailedPrecondition(
             "MIXED_FAMILY_GROUP",
             "a uniform-type group mixes spec families "
             + ", ".join(f"{n}={f.value}" for n, f in families.items())

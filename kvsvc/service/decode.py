@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.codec import _bad, block_ids_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvsvcError
@@ -74,7 +75,12 @@ class Decoder:
             raise _bad("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
         local_ids = block_ids_from_proto(req.local_block_ids_per_group)
         remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
-        peer = await self.peers.get(p.remote_address, p.remote_engine_id, p.remote_epoch)
+        try:
+            peer = await self.peers.get(p.remote_address, p.remote_engine_id, p.remote_epoch)
+        except FailedPrecondition as e:
+            if e.reason != "LEASE_EXPIRED":  # refused pair: free P's blocks now, not at lease expiry
+                await self._abort_unpaired(p)
+            raise
         if p.remote_tp_size and p.remote_tp_size != peer.tp_size:
             raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but {p.remote_address} "
                                   f"runs TP {peer.tp_size}", {"params_tp_size": p.remote_tp_size,
@@ -134,6 +140,16 @@ class Decoder:
             r.duration_us = max(r.duration_us, int(x.flight.result.result() * 1e6))
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
                                    duration_us=int((time.perf_counter() - started) * 1e6))
+
+    async def _abort_unpaired(self, p: pb.TransferParams) -> None:
+        """Best-effort ABORTED to a P we could not pair with (its lease would otherwise wait out its TTL)."""
+        try:
+            async with AsyncClient(p.remote_address, ClientOptions(timeout_s=2.0, retries=0)) as client:
+                await client.notify(pb.NotifyRequest(
+                    request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED, engine_id=self.node.config.engine_id,
+                    tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch))
+        except KvsvcError:
+            log.warning("could not tell %s that %s was refused", p.remote_address, p.remote_request_id)
 
     async def _fail(self, peer: Peer, p: pb.TransferParams, posted: list[Posted], err: BaseException) -> None:
         """Let posted READs settle, tell P to let go, and attach which blocks are valid (none)."""

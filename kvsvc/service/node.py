@@ -170,6 +170,7 @@ class Node:
             hosted_ranks=list(self.hosted_ranks), layout=layout_to_proto(self.layout),
             layout_hash=self.layout_hash, epoch=self.epoch, server_version=__version__,
             capabilities=caps, advertised_address=self.address, pools=self.pool_infos(), transport=transport,
+            live_leases=self.leases.live_count,
         )
 
 

@@ -277,7 +277,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_size", "hosted_ranks", "layout", "layout_hash", "epoch", "pools", "transport", "server_version", "capabilities", "advertised_address")
+    __slots__ = ("engine_id", "role", "tp_size", "hosted_ranks", "layout", "layout_hash", "epoch", "pools", "transport", "server_version", "capabilities", "advertised_address", "live_leases")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class GetInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     ADVERTISED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: Role
     tp_size: int
@@ -302,7 +303,8 @@ class GetInfoResponse(_message.Message):
     server_version: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     advertised_address: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., hosted_ranks: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., transport: _Optional[_Union[TransportInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., advertised_address: _Optional[str] = ...) -> None: ...
+    live_leases: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., hosted_ranks: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., transport: _Optional[_Union[TransportInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., advertised_address: _Optional[str] = ..., live_leases: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_size", "layout", "layout_hash", "ranks", "expected_engine_id")

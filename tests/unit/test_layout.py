@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsvc.errors import InvalidArgument
+from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout import (
     DType,
     FullAttentionSpec,
@@ -45,7 +45,7 @@ def test_representative_type_and_family():
 def test_mixed_family_wrapper_rejected():
     # The representative (first) type says MLA; the second layer is not: look at every inner spec.
     mixed = UniformTypeKVCacheSpecs(16, (("a", MLAAttentionSpec(16, 1, 576, BF16)), ("b", FullAttentionSpec(16, 2, 64, BF16))))
-    with pytest.raises(InvalidArgument) as e:
+    with pytest.raises(FailedPrecondition) as e:
         spec_family(mixed)
     assert e.value.reason == "MIXED_FAMILY_GROUP"
 
