@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 STAMP := $(VENV)/.installed
 
+NODE_STAMP := clients/node/node_modules/.installed
+
 .PHONY: venv demo test test-full lint proto proto-check bench clean node
 
 $(STAMP): pyproject.toml
@@ -20,11 +22,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvsvc demo
 
-test: $(STAMP) proto-check
+test: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q -m "not full"
 
-test-full: $(STAMP) proto-check
+test-full: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q
+
+# The Node.js client's packages (skipped, with a note, where Node.js is absent).
+node: $(NODE_STAMP)
+
+$(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		cd clients/node && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: the Node.js client test will be skipped"; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvsvc tests
@@ -40,4 +50,4 @@ proto-check: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen --check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache clients/node/node_modules

@@ -116,3 +116,18 @@ async def test_wrong_role_and_no_data_plane():
             assert not info.transport.nixl_available and "none" in info.transport.unavailable_reason
     finally:
         await running.stop(0)
+
+
+async def test_mixed_family_handshake(client):
+    layout = layout_to_proto(simple_layout(tp_size=1, mla=True, head_size=8))
+    group = layout.groups[0]
+    inner = pb.UniformTypeSpecs(layers=[
+        pb.LayerSpec(layer_name="a", spec=group.spec),
+        pb.LayerSpec(layer_name="b", spec=pb.KvCacheSpec(full_attention=pb.FullAttentionSpec(
+            num_kv_heads_per_rank=8, head_size=8, dtype=pb.DTYPE_BFLOAT16)))])
+    del layout.groups[:]
+    layout.groups.add(name="mixed", spec=pb.KvCacheSpec(uniform_type=inner))
+    with pytest.raises(FailedPrecondition) as e:
+        await client.handshake(pb.HandshakeRequest(engine_id="D", tp_size=1, layout=layout))
+    assert e.value.reason == "MIXED_FAMILY_GROUP"
+    assert "mla" in e.value.metadata["families"] and "attention" in e.value.metadata["families"]

@@ -1,0 +1,55 @@
+// Types of the kvsvc Node.js client (field names as in kv_transfer.proto; uint64 values are strings).
+
+export interface BlockIds { block_ids: number[] }
+export interface TransferParams {
+  remote_address: string; remote_engine_id: string; remote_request_id: string;
+  remote_block_ids_per_group: BlockIds[]; remote_epoch: string; remote_tp_size: number;
+}
+export interface RegionInfo {
+  region_index: number; kind: string; group_index: number; layer_name: string; pool_offset_bytes: string;
+  base_address: string; block_len_bytes: string; block_stride_bytes: string; num_blocks: number;
+}
+export interface PoolInfo {
+  tp_rank: number; memory_kind: string; shm_name: string; size_bytes: string; device_id: number; regions: RegionInfo[];
+}
+export interface GetInfoResponse {
+  engine_id: string; role: string; tp_size: number; hosted_ranks: number[]; layout: Record<string, unknown>;
+  layout_hash: string; epoch: string; pools: PoolInfo[];
+  transport: { nixl_available: boolean; backends: string[]; ucx_transports: string[]; nixl_version: string };
+  server_version: string; capabilities: string[]; advertised_address: string; live_leases: number;
+}
+export interface PublishBlocksResponse { params: TransferParams; lease_expires_unix_ms: string }
+export interface SourceReads { remote_rank: number; bytes: string; num_descriptors: number; ranges: unknown[] }
+export interface RankPlan {
+  local_rank: number; tp_ratio: number; handshake_target_ranks: number[]; source_ranks: number[];
+  notify_only_ranks: number[]; reads: SourceReads[]; bytes: string; num_descriptors: number;
+}
+export interface PlanTransferResponse { rank_plans: RankPlan[]; total_bytes: string; total_descriptors: number }
+export interface TransferResponse {
+  ranks: { local_rank: number; bytes: string; num_descriptors: number; duration_us: string }[];
+  total_bytes: string; duration_us: string;
+}
+export interface NotifyResponse { state: string; pending_ranks: number[] }
+export interface ReleaseEvent { request_id: string; reason: string; block_ids_per_group: BlockIds[]; released_unix_ms: string }
+
+export class KvsvcError extends Error {
+  code: string; reason: string; metadata: Record<string, string>;
+  fieldViolations: { field: string; description: string }[];
+}
+
+interface CallOptions { timeoutMs?: number }
+
+export class KvsvcClient {
+  constructor(address: string, options?: { timeoutMs?: number; credentials?: unknown });
+  getInfo(request?: {}, options?: CallOptions): Promise<GetInfoResponse>;
+  handshake(request: Record<string, unknown>, options?: CallOptions): Promise<Record<string, unknown>>;
+  publishBlocks(request: { request_id: string; block_ids_per_group: BlockIds[]; lease_ttl_ms?: number }, options?: CallOptions): Promise<PublishBlocksResponse>;
+  claimLease(request: Record<string, unknown>, options?: CallOptions): Promise<{ lease_expires_unix_ms: string; lease_remaining_ms: number }>;
+  planTransfer(request: Record<string, unknown>, options?: CallOptions): Promise<PlanTransferResponse>;
+  transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[] }, options?: CallOptions): Promise<TransferResponse>;
+  notify(request: Record<string, unknown>, options?: CallOptions): Promise<NotifyResponse>;
+  watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
+  close(): void;
+}
+
+export function blocks(...groups: number[][]): BlockIds[];
