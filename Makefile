@@ -37,7 +37,7 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 	else echo "npm not found: the Node.js client test will be skipped"; fi
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvsvc tests
+	$(BIN)/ruff check kvsvc tests clients/python
 	$(BIN)/mypy
 
 bench: $(STAMP)

@@ -69,6 +69,15 @@ class ServerConfig:
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
     """Deadline of server-to-server RPCs (handshake, claim, notify), seconds."""
+    tls_cert_file: str = ""
+    """PEM certificate chain of this server; with tls_key_file, the port serves TLS only."""
+    tls_key_file: str = ""
+    """PEM private key of this server."""
+    tls_client_ca_file: str = ""
+    """PEM roots that client certificates must chain to; set: mutual TLS is required."""
+    peer_tls_ca_file: str = ""
+    """PEM roots to verify peer servers with; set: peers are dialed over TLS (presenting this
+    server's certificate when it has one)."""
 
     def layout(self) -> EngineLayout:
         return layout_from_dict(self.layout_table, self.tp_size)
@@ -81,6 +90,10 @@ class ServerConfig:
             raise InvalidArgument("INVALID_CONFIG", f"ranks {list(self.ranks)} must be distinct and in [0, {self.tp_size})")
         if not self.engine_id:
             raise InvalidArgument("INVALID_CONFIG", "engine_id must be set")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument("INVALID_CONFIG", "tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise InvalidArgument("INVALID_CONFIG", "tls_client_ca_file needs tls_cert_file and tls_key_file")
         self.layout()
 
     def with_overrides(self, **kw: Any) -> ServerConfig:
@@ -95,7 +108,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
             doc = tomllib.load(f)
         srv = dict(doc.get("server", {}))
         kw: dict[str, Any] = {}
-        for key in ("listen", "engine_id", "advertised_address"):
+        for key in ("listen", "engine_id", "advertised_address", "tls_cert_file", "tls_key_file",
+                    "tls_client_ca_file", "peer_tls_ca_file"):
             if key in srv:
                 kw[key] = str(srv[key])
         for key in ("tp_size", "cuda_device", "max_message_bytes"):

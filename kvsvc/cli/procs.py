@@ -50,7 +50,7 @@ class ServerProcess:
 def start_server(
     *, engine_id: str, role: str, tp_size: int, layout: Mapping[str, Any], ranks: Sequence[int] | None = None,
     memory: str = "dram", listen: str = "127.0.0.1:0", extra_env: Mapping[str, str] | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = 60.0, config_file: str | None = None,
 ) -> ServerProcess:
     """Spawn a server and wait until it prints its address (raises with its output if it dies)."""
     env = dict(os.environ, **(extra_env or {}))
@@ -58,6 +58,8 @@ def start_server(
            "--role", role, "--tp-size", str(tp_size), "--memory", memory, "--layout-json", json.dumps(layout)]
     if ranks is not None:
         cmd += ["--ranks", ",".join(map(str, ranks))]
+    if config_file is not None:
+        cmd += ["--config", config_file]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out: list[str] = []
     deadline = time.monotonic() + timeout_s

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client import AsyncClient
 from kvsvc.codec import _bad, block_ids_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.node import Node
-from kvsvc.service.peers import Peer, PeerCache, RemoteRank
+from kvsvc.service.peers import Peer, PeerCache, RemoteRank, peer_client_options
 from kvsvc.transport.nixl_thread import InFlight
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -144,7 +145,8 @@ class Decoder:
     async def _abort_unpaired(self, p: pb.TransferParams) -> None:
         """Best-effort ABORTED to a P we could not pair with (its lease would otherwise wait out its TTL)."""
         try:
-            async with AsyncClient(p.remote_address, ClientOptions(timeout_s=2.0, retries=0)) as client:
+            opts = dataclasses.replace(peer_client_options(self.node), timeout_s=2.0, retries=0)
+            async with AsyncClient(p.remote_address, opts) as client:
                 await client.notify(pb.NotifyRequest(
                     request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED, engine_id=self.node.config.engine_id,
                     tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.codec import layout_from_proto, layout_to_proto
@@ -43,6 +44,18 @@ class Peer:
     @property
     def tp_size(self) -> int:
         return self.side.tp_size
+
+
+def peer_client_options(node: Node) -> ClientOptions:
+    """How this server dials peers: TLS with peer_tls_ca_file, presenting its own certificate."""
+    cfg = node.config
+    opts = ClientOptions(timeout_s=cfg.peer_timeout_s, retries=2, max_message_bytes=cfg.max_message_bytes)
+    if not cfg.peer_tls_ca_file:
+        return opts
+    own = bool(cfg.tls_cert_file)
+    return replace(opts, tls_root_certs=Path(cfg.peer_tls_ca_file).read_bytes(),
+                   tls_client_cert=Path(cfg.tls_cert_file).read_bytes() if own else None,
+                   tls_client_key=Path(cfg.tls_key_file).read_bytes() if own else None)
 
 
 class PeerCache:
@@ -88,8 +101,7 @@ class PeerCache:
     async def _handshake(self, address: str, expected_engine_id: str) -> Peer:
         node = self._node
         data = node.require_data_plane("Transfer")
-        client = AsyncClient(address, ClientOptions(timeout_s=node.config.peer_timeout_s, retries=2,
-                                                    max_message_bytes=node.config.max_message_bytes))
+        client = AsyncClient(address, peer_client_options(node))
         try:
             info = await client.get_info()
             targets = sorted({r for t in node.hosted_ranks

@@ -7,6 +7,7 @@ import logging
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -56,6 +57,15 @@ class RunningServer:
         await self.node.close()  # 4. leases, agents and pools go last, after no RPC can use them
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS (or mutual TLS with tls_client_ca_file) when a certificate is configured."""
+    if not config.tls_cert_file:
+        return None
+    key, cert = Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes()
+    ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
 async def create_server(
     config: ServerConfig, external_pools: Mapping[int, Any] | None = None
 ) -> tuple[RunningServer, int]:
@@ -80,7 +90,8 @@ async def create_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(config.listen)
+    creds = server_credentials(config)
+    port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     host = config.listen.rsplit(":", 1)[0]

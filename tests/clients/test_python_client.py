@@ -1,0 +1,141 @@
+"""The Python client: one method per RPC, retries on UNAVAILABLE only, errors as KvsvcError."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from kvsvc.client import AsyncClient, Client, ClientOptions
+from kvsvc.errors import InvalidArgument, Unavailable
+from kvsvc.service.errors import to_status
+from kvsvc.service.server import SERVER_OPTIONS_BASE
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+
+def snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def test_every_rpc_has_a_client_method():
+    service = pb.DESCRIPTOR.services_by_name["KvTransferService"]
+    for method in service.methods:
+        for cls in (AsyncClient, Client):
+            assert callable(getattr(cls, snake(method.name), None)), (cls.__name__, method.name)
+
+
+def test_client_import_is_light():
+    import kvsvc.client as c
+
+    assert set(c.__all__) == {"AsyncClient", "Client", "ClientOptions", "error_from_rpc"}
+
+
+def test_keepalive_within_server_permit_policy():
+    server = dict(SERVER_OPTIONS_BASE)
+    assert ClientOptions().keepalive_time_ms >= server["grpc.http2.min_ping_interval_without_data_ms"]
+
+
+class FlakyInfo(pb_grpc.KvTransferServiceServicer):
+    """Answers UNAVAILABLE `failures` times, then succeeds; INVALID_ARGUMENT when told to."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        self.calls, self.failures, self.code = 0, failures, code
+
+    async def GetInfo(self, request, context):
+        self.calls += 1
+        if self.calls <= self.failures:
+            from kvsvc.errors import ErrorCode, KvsvcError
+
+            err = KvsvcError("TEST_" + self.code.name, "scripted failure", {"call": self.calls},
+                             code=ErrorCode[self.code.name])
+            await context.abort_with_status(rpc_status.to_status(to_status(err)))
+        return pb.GetInfoResponse(engine_id="flaky")
+
+
+async def serve(servicer):
+    server = grpc.aio.server()
+    pb_grpc.add_KvTransferServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def test_retries_unavailable_then_succeeds():
+    servicer = FlakyInfo(failures=2)
+    server, port = await serve(servicer)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", ClientOptions(retries=3, backoff_s=0.001)) as c:
+            assert (await c.get_info()).engine_id == "flaky"
+        assert servicer.calls == 3
+    finally:
+        await server.stop(0)
+
+
+async def test_gives_up_after_retries():
+    servicer = FlakyInfo(failures=10)
+    server, port = await serve(servicer)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", ClientOptions(retries=2, backoff_s=0.001)) as c:
+            with pytest.raises(Unavailable) as e:
+                await c.get_info()
+        assert servicer.calls == 3 and e.value.reason == "TEST_UNAVAILABLE" and e.value.metadata == {"call": "3"}
+    finally:
+        await server.stop(0)
+
+
+async def test_never_retries_other_codes():
+    servicer = FlakyInfo(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    server, port = await serve(servicer)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", ClientOptions(retries=3, backoff_s=0.001)) as c:
+            with pytest.raises(InvalidArgument) as e:
+                await c.get_info()
+        assert servicer.calls == 1 and e.value.reason == "TEST_INVALID_ARGUMENT"
+        assert e.value.message == "scripted failure"
+    finally:
+        await server.stop(0)
+
+
+async def test_deadline_maps_to_deadline_exceeded(control_server):
+    from kvsvc.errors import DeadlineExceeded
+
+    async with AsyncClient(f"127.0.0.1:{control_server.port}") as c:
+        with pytest.raises(DeadlineExceeded):
+            await c.get_info(timeout_s=1e-6)
+
+
+def test_sync_client_against_real_server():
+    import asyncio
+    import threading
+
+    from kvsvc.config import MemoryMode, load_config
+    from kvsvc.service.server import create_server
+
+    ready, box = threading.Event(), {}
+
+    def run() -> None:
+        async def main() -> None:
+            running, port = await create_server(load_config(listen="127.0.0.1:0", memory=MemoryMode.NONE))
+            box["port"], box["stop"] = port, asyncio.Event()
+            ready.set()
+            await box["stop"].wait()
+            await running.stop(0)
+
+        box["loop"] = asyncio.new_event_loop()
+        box["loop"].run_until_complete(main())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(30)
+    try:
+        with Client(f"127.0.0.1:{box['port']}") as c:
+            assert c.get_info().engine_id == "kvsvc-engine"
+            with pytest.raises(InvalidArgument) as e:
+                c.plan_transfer(pb.PlanTransferRequest())
+            assert e.value.reason == "MISSING_FIELD"
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        t.join(10)
