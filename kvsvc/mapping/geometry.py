@@ -129,8 +129,12 @@ def _stack(la: int, rb: int, parts: list[tuple[np.ndarray, np.ndarray, np.ndarra
     return _Units(np.full(lo.size, la, np.int32), lo, np.full(lo.size, rb, np.int32), ro, ln)
 
 
-def coalesce(remote_rank: int, units: Sequence[_Units]) -> Reads:
-    """Region-major, local-offset order; merge runs contiguous on both sides."""
+def coalesce(remote_rank: int, units: Sequence[_Units], ordered: bool = False) -> Reads:
+    """Region-major, local-offset order; merge runs contiguous on both sides.
+
+    ordered: the units already come region-major in local-offset order (the planner
+    sorts blocks once per group), so the sort is skipped.
+    """
     if not units:
         e = np.zeros(0, I64)
         return Reads(remote_rank, e.astype(np.int32), e, e.astype(np.int32), e, e)
@@ -139,8 +143,9 @@ def coalesce(remote_rank: int, units: Sequence[_Units]) -> Reads:
     rr = np.concatenate([u.remote_region for u in units])
     ro = np.concatenate([u.remote_offset for u in units])
     ln = np.concatenate([u.length for u in units])
-    order = np.lexsort((lo, lr))
-    lr, lo, rr, ro, ln = lr[order], lo[order], rr[order], ro[order], ln[order]
+    if not ordered:
+        order = np.lexsort((lo, lr))
+        lr, lo, rr, ro, ln = lr[order], lo[order], rr[order], ro[order], ln[order]
     if lo.size > 1:
         joins = (
             (lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1])

@@ -134,6 +134,11 @@ def plan_rank(
         check_block_ids(rids, rlay.num_blocks, side="remote", group=g)
         ssm = lay.groups[g].family is SpecFamily.SSM
         rids, prefix = trim_prefix(lids, rids, 1 if ssm else n, group=g, ssm=ssm)
+        if n == 1 or ssm:
+            # Blocks in local order once per group: every region's units then come out in
+            # local-offset order and coalescing needs no sort (the 128k-token case).
+            order = np.argsort(lids, kind="stable")
+            lids, rids = lids[order], rids[order]
         ids.append((lids, rids))
         skipped.append(prefix)
     per_rank: dict[int, list] = {}
@@ -149,6 +154,6 @@ def plan_rank(
             units = attention_units(a, b, lids, rids, n, mapping, sources, ratio)
         for r, u in units.items():
             per_rank.setdefault(r, []).append(u)
-    reads = tuple(coalesce(r, per_rank[r]) for r in sorted(per_rank))
+    reads = tuple(coalesce(r, per_rank[r], ordered=n == 1) for r in sorted(per_rank))
     targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size))
     return RankPlan(local_rank, ratio, targets, mapping, reads, tuple(skipped))
