@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import grpc
@@ -99,12 +100,22 @@ async def test_never_retries_other_codes():
         await server.stop(0)
 
 
-async def test_deadline_maps_to_deadline_exceeded(control_server):
+class SlowInfo(pb_grpc.KvTransferServiceServicer):
+    async def GetInfo(self, request, context):
+        await asyncio.sleep(5)
+        return pb.GetInfoResponse()
+
+
+async def test_deadline_maps_to_deadline_exceeded():
     from kvsvc.errors import DeadlineExceeded
 
-    async with AsyncClient(f"127.0.0.1:{control_server.port}") as c:
-        with pytest.raises(DeadlineExceeded):
-            await c.get_info(timeout_s=1e-6)
+    server, port = await serve(SlowInfo())
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as c:
+            with pytest.raises(DeadlineExceeded):
+                await c.get_info(timeout_s=0.05)
+    finally:
+        await server.stop(0)
 
 
 def test_sync_client_against_real_server():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvsvc.cli.procs import ServerProcess, start_server
-from kvsvc.client import AsyncClient
+from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.attach import attach_pool
 from kvsvc.codec import layout_from_proto
 from kvsvc.layout.engine import EngineLayout
@@ -114,15 +114,41 @@ class ReleaseWatch:
             await self._task
 
 
-async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: Engine, watch: ReleaseWatch,
-                             request_id: str, p_ids: list[list[int]], d_ids: list[list[int]],
+@dataclass
+class Session:
+    """Clients of a P/D pair, both engines' pools, and P's release stream."""
+
+    pc: AsyncClient
+    dc: AsyncClient
+    pe: Engine
+    de: Engine
+    watch: ReleaseWatch
+
+
+@contextlib.asynccontextmanager
+async def session(p: ServerProcess, d: ServerProcess, options: ClientOptions | None = None
+                  ) -> AsyncIterator[Session]:
+    async with AsyncClient(p.address, options) as pc, AsyncClient(d.address, options) as dc:
+        pe, de = await Engine.of(pc), await Engine.of(dc)
+        watch = ReleaseWatch(pc)
+        await asyncio.sleep(0.05)  # the watch subscribes before anything can be released
+        try:
+            yield Session(pc, dc, pe, de, watch)
+        finally:
+            await watch.close()
+            pe.close()
+            de.close()
+
+
+async def transfer_and_check(s: Session, request_id: str, p_ids: list[list[int]], d_ids: list[list[int]],
                              first_position: list[int] | None = None) -> pb.TransferResponse:
-    """Fill P, publish, Transfer on D, and assert D's bytes and exactly one CONSUMED release."""
-    pe.fill(p_ids)
-    pub = await pc.publish_blocks(request_id, p_ids)
-    resp = await dc.transfer("d-" + request_id, pub.params, d_ids, timeout_s=60)
-    errors = de.check(d_ids, first_position)
+    """Fill P, publish, Transfer on D, and assert D's bytes, one CONSUMED release and no lease left."""
+    s.pe.fill(p_ids)
+    pub = await s.pc.publish_blocks(request_id, p_ids)
+    resp = await s.dc.transfer("d-" + request_id, pub.params, d_ids, timeout_s=120)
+    errors = s.de.check(d_ids, first_position)
     assert not errors, errors
-    events = await watch.wait_for(request_id)
+    events = await s.watch.wait_for(request_id)
     assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED], events
+    assert (await s.pc.get_info()).live_leases == 0
     return resp

@@ -11,64 +11,49 @@ from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.errors import FailedPrecondition
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, ReleaseWatch, layout_table, servers, transfer_and_check
+from tests.e2e.harness import Engine, layout_table, servers, session, transfer_and_check
 
 LAYOUT = layout_table(k=4)
 
 
 async def test_expiry_release_and_refused_read():
     with servers(2, 1, LAYOUT) as (p, d):
-        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            watch = ReleaseWatch(pc)
-            try:
-                await asyncio.sleep(0.05)
-                pe.fill([[1, 2, 3]])
-                for mem in de.mem.values():  # D's destination blocks hold the engine's own data
-                    mem.buf[:] = np.uint8(0xAB)
-                before = de.snapshot()
-                pub = await pc.publish_blocks("short", [[1, 2, 3]], lease_ttl_ms=300)
-                events = await watch.wait_for("short", timeout_s=5)
-                assert [e.reason for e in events] == [pb.RELEASE_REASON_EXPIRED]
-                assert list(events[0].block_ids_per_group[0].block_ids) == [1, 2, 3]
-                with pytest.raises(FailedPrecondition) as e:
-                    await dc.transfer("d-short", pub.params, [[4, 5, 6]])
-                assert e.value.reason == "LEASE_EXPIRED"
-                assert de.snapshot() == before, "an expired lease must not write D's blocks"
-                # Nothing stays leased, and a late notify changes nothing.
-                n = await pc.notify(pb.NotifyRequest(request_id="short", kind=pb.NOTIFY_KIND_CONSUMED,
-                                                     tp_size=1, done_ranks=[0], lease_epoch=pub.params.remote_epoch))
-                assert n.state == pb.LEASE_STATE_EXPIRED
-                await asyncio.sleep(0.2)
-                assert len([ev for ev in watch.events if ev.request_id == "short"]) == 1
-            finally:
-                await watch.close()
-                pe.close()
-                de.close()
+        async with session(p, d) as s:
+            s.pe.fill([[1, 2, 3]])
+            for mem in s.de.mem.values():  # D's destination blocks hold the engine's own data
+                mem.buf[:] = np.uint8(0xAB)
+            before = s.de.snapshot()
+            pub = await s.pc.publish_blocks("short", [[1, 2, 3]], lease_ttl_ms=300)
+            events = await s.watch.wait_for("short", timeout_s=5)
+            assert [e.reason for e in events] == [pb.RELEASE_REASON_EXPIRED]
+            assert list(events[0].block_ids_per_group[0].block_ids) == [1, 2, 3]
+            with pytest.raises(FailedPrecondition) as e:
+                await s.dc.transfer("d-short", pub.params, [[4, 5, 6]])
+            assert e.value.reason == "LEASE_EXPIRED"
+            assert s.de.snapshot() == before, "an expired lease must not write D's blocks"
+            # Nothing stays leased, and a late notify changes nothing.
+            n = await s.pc.notify(pb.NotifyRequest(request_id="short", kind=pb.NOTIFY_KIND_CONSUMED,
+                                                   tp_size=1, done_ranks=[0], lease_epoch=pub.params.remote_epoch))
+            assert n.state == pb.LEASE_STATE_EXPIRED
+            await asyncio.sleep(0.2)
+            assert len([ev for ev in s.watch.events if ev.request_id == "short"]) == 1
+            assert (await s.pc.get_info()).live_leases == 0
 
 
 async def test_duplicate_and_unknown_notify_are_harmless():
     with servers(1, 2, LAYOUT) as (p, d):
-        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            watch = ReleaseWatch(pc)
-            try:
-                await asyncio.sleep(0.05)
-                resp = await transfer_and_check(pc, dc, pe, de, watch, "dup", [[7, 8]], [[1, 2]])
-                assert resp.total_bytes > 0
-                epoch = (await pc.get_info()).epoch
-                again = await pc.notify(pb.NotifyRequest(request_id="dup", kind=pb.NOTIFY_KIND_CONSUMED,
-                                                         tp_size=2, done_ranks=[0, 1], lease_epoch=epoch))
-                assert again.state == pb.LEASE_STATE_CONSUMED
-                unknown = await pc.notify(pb.NotifyRequest(request_id="never", kind=pb.NOTIFY_KIND_CONSUMED,
-                                                           tp_size=2, done_ranks=[0]))
-                assert unknown.state == pb.LEASE_STATE_UNKNOWN
-                await asyncio.sleep(0.2)
-                assert [e.request_id for e in watch.events] == ["dup"]
-            finally:
-                await watch.close()
-                pe.close()
-                de.close()
+        async with session(p, d) as s:
+            resp = await transfer_and_check(s, "dup", [[7, 8]], [[1, 2]])
+            assert resp.total_bytes > 0
+            epoch = s.pe.info.epoch
+            again = await s.pc.notify(pb.NotifyRequest(request_id="dup", kind=pb.NOTIFY_KIND_CONSUMED,
+                                                       tp_size=2, done_ranks=[0, 1], lease_epoch=epoch))
+            assert again.state == pb.LEASE_STATE_CONSUMED
+            unknown = await s.pc.notify(pb.NotifyRequest(request_id="never", kind=pb.NOTIFY_KIND_CONSUMED,
+                                                         tp_size=2, done_ranks=[0]))
+            assert unknown.state == pb.LEASE_STATE_UNKNOWN
+            await asyncio.sleep(0.2)
+            assert [e.request_id for e in s.watch.events] == ["dup"]
 
 
 async def test_prefill_restart_forces_rehandshake():

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from kvsvc.client import AsyncClient
 from kvsvc.errors import FailedPrecondition
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.cells import FAST, FULL, REFUSALS, Cell, Refusal
-from tests.e2e.harness import Engine, ReleaseWatch, servers
+from tests.e2e.harness import servers, session, transfer_and_check
 
 REPORT: list[dict] = []
 
@@ -20,7 +17,7 @@ def runs(local: list[int], remote: list[int]) -> int:
     return 1 + sum(1 for i in range(len(local) - 1) if local[i + 1] != local[i] + 1 or remote[i + 1] != remote[i] + 1)
 
 
-def descriptor_bound(cell: Cell, info: pb.GetInfoResponse, rank_ranges: int) -> int | None:
+def descriptor_bound(cell: Cell, info: pb.GetInfoResponse) -> int | None:
     """At most one descriptor per (region, maximal contiguous run, source rank) when a whole block
     is contiguous on both sides; one per (region, block, source rank) when D reads part of a block
     or writes part of one. None for block-size ratios (HND splits each block by head)."""
@@ -45,29 +42,14 @@ def descriptor_bound(cell: Cell, info: pb.GetInfoResponse, rank_ranges: int) -> 
 
 async def run_cell(cell: Cell) -> None:
     with servers(cell.p_tp, cell.d_tp, cell.p_layout, cell.d_layout) as (p, d):
-        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            watch = ReleaseWatch(pc)
-            try:
-                await asyncio.sleep(0.05)
-                pe.fill(cell.p_ids)
-                pub = await pc.publish_blocks(cell.id, cell.p_ids)
-                resp = await dc.transfer("d-" + cell.id, pub.params, cell.d_ids, timeout_s=120)
-                errors = de.check(cell.d_ids, cell.first_position)
-                assert not errors, errors
-                events = await watch.wait_for(cell.id)
-                assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED], events
-                assert (await pc.get_info()).live_leases == 0
-                per_rank = {r.local_rank: r.num_descriptors for r in resp.ranks}
-                bound = descriptor_bound(cell, de.info, max(per_rank.values()))
-                REPORT.append({"cell": cell.id, "category": cell.category, "p_tp": cell.p_tp, "d_tp": cell.d_tp,
-                               "bytes": resp.total_bytes, "descriptors_per_rank": per_rank, "bound": bound})
-                if bound is not None:
-                    assert max(per_rank.values()) <= bound, (per_rank, bound)
-            finally:
-                await watch.close()
-                pe.close()
-                de.close()
+        async with session(p, d) as s:
+            resp = await transfer_and_check(s, cell.id, cell.p_ids, cell.d_ids, cell.first_position)
+            per_rank = {r.local_rank: r.num_descriptors for r in resp.ranks}
+            bound = descriptor_bound(cell, s.de.info)
+            REPORT.append({"cell": cell.id, "category": cell.category, "p_tp": cell.p_tp, "d_tp": cell.d_tp,
+                           "bytes": resp.total_bytes, "descriptors_per_rank": per_rank, "bound": bound})
+            if bound is not None:
+                assert max(per_rank.values()) <= bound, (per_rank, bound)
 
 
 @pytest.mark.parametrize("cell", FAST, ids=[c.id for c in FAST])
@@ -84,19 +66,14 @@ async def test_sweep(cell):
 @pytest.mark.parametrize("case", REFUSALS, ids=[r.id for r in REFUSALS])
 async def test_refusal(case: Refusal):
     with servers(case.p_tp, case.d_tp, case.p_layout, case.d_layout) as (p, d):
-        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
-            watch = ReleaseWatch(pc)
-            try:
-                await asyncio.sleep(0.05)
-                pub = await pc.publish_blocks("refused", [[1]] * len(case.p_layout["groups"]))
-                with pytest.raises(FailedPrecondition) as e:
-                    await dc.transfer("d-refused", pub.params, [[2]] * len(case.d_layout["groups"]))
-                assert e.value.reason == case.reason, e.value
-                for key, value in case.metadata.items():
-                    assert e.value.metadata.get(key) == value, (key, e.value.metadata)
-                # Nothing stays leased: D told P to let go.
-                events = await watch.wait_for("refused")
-                assert [ev.reason for ev in events] == [pb.RELEASE_REASON_ABORTED]
-                assert (await pc.get_info()).live_leases == 0
-            finally:
-                await watch.close()
+        async with session(p, d) as s:
+            pub = await s.pc.publish_blocks("refused", [[1]] * len(case.p_layout["groups"]))
+            with pytest.raises(FailedPrecondition) as e:
+                await s.dc.transfer("d-refused", pub.params, [[2]] * len(case.d_layout["groups"]))
+            assert e.value.reason == case.reason, e.value
+            for key, value in case.metadata.items():
+                assert e.value.metadata.get(key) == value, (key, e.value.metadata)
+            # Nothing stays leased: D told P to let go.
+            events = await s.watch.wait_for("refused")
+            assert [ev.reason for ev in events] == [pb.RELEASE_REASON_ABORTED]
+            assert (await s.pc.get_info()).live_leases == 0

@@ -10,7 +10,7 @@ import pytest
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.errors import Unavailable
-from tests.e2e.harness import Engine, layout_table
+from tests.e2e.harness import layout_table, session, transfer_and_check
 
 
 def make_pki(d: Path) -> dict[str, Path]:
@@ -37,16 +37,8 @@ async def test_mutual_tls_transfer(tmp_path):
     opts = ClientOptions(tls_root_certs=pki["ca"].read_bytes(), tls_client_cert=pki["cert"].read_bytes(),
                          tls_client_key=pki["key"].read_bytes())
     try:
-        async with AsyncClient(p.address, opts) as pc, AsyncClient(d.address, opts) as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            try:
-                pe.fill([[1, 2]])
-                pub = await pc.publish_blocks("tls-1", [[1, 2]])
-                await dc.transfer("tls-d-1", pub.params, [[3, 4]])  # D dialed P over mTLS
-                assert not de.check([[3, 4]])
-            finally:
-                pe.close()
-                de.close()
+        async with session(p, d, opts) as s:
+            await transfer_and_check(s, "tls-1", [[1, 2]], [[3, 4]])  # D dialed P over mTLS
         no_cert = ClientOptions(tls_root_certs=pki["ca"].read_bytes(), retries=0, timeout_s=5)
         async with AsyncClient(p.address, no_cert) as anon:
             with pytest.raises(Unavailable):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsvc.client import AsyncClient
-from tests.e2e.harness import Engine, ReleaseWatch, layout_table, servers, transfer_and_check
+from tests.e2e.harness import layout_table, servers, session, transfer_and_check
 
 CASES = [
     pytest.param(2, 2, layout_table(k=4), id="equal-tp2"),
@@ -18,18 +17,11 @@ CASES = [
 @pytest.mark.parametrize(("p_tp", "d_tp", "layout"), CASES)
 async def test_transfer_matches_reference(p_tp, d_tp, layout):
     with servers(p_tp, d_tp, layout) as (p, d):
-        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            watch = ReleaseWatch(pc)
-            try:
-                resp = await transfer_and_check(pc, dc, pe, de, watch, "req-a", [[5, 9, 2, 11]], [[0, 3, 4, 7]])
-                assert resp.total_bytes > 0 and len(resp.ranks) == d_tp
-                # A second request reuses the cached handshake and different blocks.
-                await transfer_and_check(pc, dc, pe, de, watch, "req-b", [[1, 2, 3]], [[10, 11, 12]])
-                # GetInfo names the transport UCX picked for READs (cma between processes here).
-                transports = (await dc.get_info()).transport.ucx_transports
-                assert any(t.startswith("rma_get:") for t in transports), transports
-            finally:
-                await watch.close()
-                pe.close()
-                de.close()
+        async with session(p, d) as s:
+            resp = await transfer_and_check(s, "req-a", [[5, 9, 2, 11]], [[0, 3, 4, 7]])
+            assert resp.total_bytes > 0 and len(resp.ranks) == d_tp
+            # A second request reuses the cached handshake and different blocks.
+            await transfer_and_check(s, "req-b", [[1, 2, 3]], [[10, 11, 12]])
+            # GetInfo names the transport UCX picked for READs (cma between processes here).
+            transports = (await s.dc.get_info()).transport.ucx_transports
+            assert any(t.startswith("rma_get:") for t in transports), transports
