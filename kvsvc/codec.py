@@ -36,14 +36,14 @@ _KIND = {RegionKind.KEY: pb.REGION_KIND_KEY, RegionKind.VALUE: pb.REGION_KIND_VA
          RegionKind.LATENT: pb.REGION_KIND_LATENT, RegionKind.SSM_STATE: pb.REGION_KIND_SSM_STATE}
 
 
-def _bad(field: str, description: str, reason: str = "INVALID_FIELD", **meta: object) -> InvalidArgument:
+def bad_field(field: str, description: str, reason: str = "INVALID_FIELD", **meta: object) -> InvalidArgument:
     return InvalidArgument(reason, f"{field}: {description}", {"field": field, **meta},
                            field_violations=[FieldViolation(field, description)])
 
 
 def _enum(table: dict, value: int, field: str, enum_name: str) -> object:
     if value not in table:
-        raise _bad(field, f"{enum_name} must be set (got {value}; *_UNSPECIFIED is rejected)",
+        raise bad_field(field, f"{enum_name} must be set (got {value}; *_UNSPECIFIED is rejected)",
                    "UNSPECIFIED_ENUM", value=value)
     return table[value]
 
@@ -96,10 +96,10 @@ def spec_from_proto(msg: pb.KvCacheSpec, block_size: int, field: str) -> KVCache
         inner = []
         for i, layer in enumerate(msg.uniform_type.layers):
             if layer.spec.WhichOneof("kind") == "uniform_type":
-                raise _bad(f"{field}.layers[{i}]", "a uniform-type spec cannot nest another", "NESTED_UNIFORM_GROUP")
+                raise bad_field(f"{field}.layers[{i}]", "a uniform-type spec cannot nest another", "NESTED_UNIFORM_GROUP")
             inner.append((layer.layer_name, spec_from_proto(layer.spec, block_size, f"{field}.layers[{i}].spec")))
         return UniformTypeKVCacheSpecs(block_size, tuple(inner))
-    raise _bad(field, "spec kind must be set", "MISSING_FIELD")
+    raise bad_field(field, "spec kind must be set", "MISSING_FIELD")
 
 
 # ---- layout --------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import sys
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import json
+
     from kvsvc.config import MemoryMode, Role, load_config
     from kvsvc.service.server import run
 
@@ -17,13 +19,8 @@ def _serve(args: argparse.Namespace) -> int:
         ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
         memory=MemoryMode(args.memory) if args.memory else None,
         advertised_address=args.advertise,
+        layout_table=json.loads(args.layout_json) if args.layout_json else None,
     )
-    if args.layout_json:
-        import json
-        from dataclasses import replace
-
-        cfg = replace(cfg, layout_table=json.loads(args.layout_json))
-        cfg.validate()
     run(cfg)
     return 0
 

@@ -37,6 +37,28 @@ class AttachedPool:
                                                    writeable=True)
         return self.buffer[start:].as_strided((n, length), (stride, 1))
 
+    def kv(self, region: pb.RegionInfo, layout: pb.KvLayout) -> Any:
+        """A region as the engine sees its cache, typed and shaped from the layout.
+
+        Attention: [num_blocks, heads, tokens, head_size] (HND) or [num_blocks, tokens,
+        heads, head_size] (NHD); MLA: [num_blocks, tokens, head_size]; Mamba state:
+        [num_blocks, *state_shape]. numpy has no bfloat16, so DRAM bf16 comes as uint16
+        bits (use .view(torch.bfloat16) after torch.from_numpy); VRAM pools give torch.
+        """
+        shape, dtype = _region_shape(region, layout, self.info.regions)
+        raw = self.region(region)
+        if isinstance(raw, np.ndarray):
+            np_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+            inner = [np_dtype.itemsize]
+            for dim in reversed(shape[1:]):
+                inner.insert(0, inner[0] * dim)
+            # Exact strides (never a silent copy): block stride outside, C order inside.
+            return np.lib.stride_tricks.as_strided(raw.view(np_dtype), shape=(region.num_blocks, *shape),
+                                                   strides=(region.block_stride_bytes, *inner), writeable=True)
+        import torch
+
+        return raw.view(getattr(torch, _TORCH_DTYPES[dtype])).reshape(region.num_blocks, *shape)
+
     def close(self) -> None:
         """Drop this handle's reference; the mapping goes when no view of it is left."""
         self.buffer = None
@@ -46,6 +68,40 @@ class AttachedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_NUMPY_DTYPES: dict[int, str] = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "uint16", pb.DTYPE_FLOAT32: "float32",
+                 pb.DTYPE_FLOAT8_E4M3: "uint8", pb.DTYPE_FLOAT8_E5M2: "uint8", pb.DTYPE_UINT8: "uint8"}
+_TORCH_DTYPES: dict[int, str] = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16", pb.DTYPE_FLOAT32: "float32",
+                 pb.DTYPE_FLOAT8_E4M3: "float8_e4m3fn", pb.DTYPE_FLOAT8_E5M2: "float8_e5m2", pb.DTYPE_UINT8: "uint8"}
+
+
+def _layer_spec(layout: pb.KvLayout, region: pb.RegionInfo) -> pb.KvCacheSpec:
+    spec = layout.groups[region.group_index].spec
+    if spec.WhichOneof("kind") == "uniform_type":
+        return next(layer.spec for layer in spec.uniform_type.layers if layer.layer_name == region.layer_name)
+    return spec
+
+
+def _region_shape(region: pb.RegionInfo, layout: pb.KvLayout, all_regions: Any) -> tuple[tuple[int, ...], Any]:
+    """(per-block shape, DType) of a region, from the layout GetInfo returned alongside it."""
+    spec = _layer_spec(layout, region)
+    kind = spec.WhichOneof("kind")
+    tokens = layout.block_size_tokens
+    if kind == "mla_attention":
+        return (tokens, spec.mla_attention.head_size), spec.mla_attention.dtype
+    if kind == "mamba":
+        # A Mamba layer's state regions come in state order; count this one among them.
+        state = sum(1 for r in all_regions if r.layer_name == region.layer_name and r.region_index < region.region_index)
+        st = spec.mamba.states[state]
+        return tuple(st.shape), st.dtype
+    attn = spec.full_attention if kind == "full_attention" else spec.sliding_window
+    head = attn.head_size
+    if region.kind == pb.REGION_KIND_VALUE and kind == "full_attention" and spec.full_attention.head_size_v:
+        head = spec.full_attention.head_size_v
+    heads = attn.num_kv_heads_per_rank
+    hnd = layout.kv_memory_layout == pb.KV_MEMORY_LAYOUT_HND
+    return ((heads, tokens, head) if hnd else (tokens, heads, head)), attn.dtype
 
 
 def attach_pool(info: pb.PoolInfo) -> AttachedPool:

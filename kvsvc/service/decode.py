@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsvc.client import AsyncClient
-from kvsvc.codec import _bad, block_ids_from_proto
+from kvsvc.codec import bad_field, block_ids_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.mapping.planner import RankPlan
@@ -71,9 +71,9 @@ class Decoder:
         p = req.params
         for name in ("remote_address", "remote_request_id"):
             if not getattr(p, name):
-                raise _bad(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+                raise bad_field(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
         if p.remote_epoch == 0:
-            raise _bad("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+            raise bad_field("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
         local_ids = block_ids_from_proto(req.local_block_ids_per_group)
         remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
         try:

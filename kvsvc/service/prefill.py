@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from kvsvc.codec import _bad, block_ids_to_proto, layout_from_proto, layout_to_proto
+from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout_to_proto
 from kvsvc.config import Role
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import compatibility_hash
@@ -38,16 +38,16 @@ def handshake(node: Node, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
     node.require_role(Role.PREFILL, "Handshake")
     data = node.require_data_plane("Handshake")
     if not req.engine_id:
-        raise _bad("engine_id", "must be set", "MISSING_FIELD")
+        raise bad_field("engine_id", "must be set", "MISSING_FIELD")
     if req.tp_size == 0:
-        raise _bad("tp_size", "must be positive", "MISSING_FIELD")
+        raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
     if req.expected_engine_id and req.expected_engine_id != node.config.engine_id:
         raise FailedPrecondition("UNKNOWN_ENGINE", f"this server hosts engine {node.config.engine_id!r}, not "
                                  f"{req.expected_engine_id!r}; check the address the router handed out",
                                  {"expected_engine_id": req.expected_engine_id, "engine_id": node.config.engine_id})
     tp_ratio(req.tp_size, node.config.tp_size)
     if not req.HasField("layout"):
-        raise _bad("layout", "must be set", "MISSING_FIELD")
+        raise bad_field("layout", "must be set", "MISSING_FIELD")
     peer_layout = layout_from_proto(req.layout, "layout", req.tp_size)
     if req.layout_hash and req.layout_hash != compatibility_hash(peer_layout):
         raise InvalidArgument("LAYOUT_HASH_MISMATCH", f"layout_hash {req.layout_hash} does not match the layout "
@@ -98,7 +98,7 @@ def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksRespons
 def claim(node: Node, req: pb.ClaimLeaseRequest) -> pb.ClaimLeaseResponse:
     node.require_role(Role.PREFILL, "ClaimLease")
     if req.tp_size == 0:
-        raise _bad("tp_size", "must be positive", "MISSING_FIELD")
+        raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
     lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, req.engine_id, req.tp_size,
                                      _ttl_s(req.extend_ms))
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
@@ -108,10 +108,10 @@ def claim(node: Node, req: pb.ClaimLeaseRequest) -> pb.ClaimLeaseResponse:
 def notify(node: Node, req: pb.NotifyRequest) -> pb.NotifyResponse:
     node.require_role(Role.PREFILL, "Notify")
     if req.kind not in NOTIFY_KINDS:
-        raise _bad("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
+        raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
                    value=req.kind)
     if not req.request_id:
-        raise _bad("request_id", "must be set (the P-side request id)", "MISSING_FIELD")
+        raise bad_field("request_id", "must be set (the P-side request id)", "MISSING_FIELD")
     state, pending = node.leases.notify(req.request_id, NOTIFY_KINDS[req.kind], list(req.done_ranks),
                                         req.lease_epoch, req.tp_size)
     return pb.NotifyResponse(state=LEASE_STATES.get(state, pb.LEASE_STATE_UNKNOWN) if state else

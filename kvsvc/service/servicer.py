@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_status import rpc_status
 
-from kvsvc.codec import _bad, block_ids_from_proto, layout_from_proto
+from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
 from kvsvc.mapping.planner import Side
@@ -22,10 +22,10 @@ from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
     if msg.tp_size == 0:
-        raise _bad(f"{field}.tp_size", "must be positive", "MISSING_FIELD")
+        raise bad_field(f"{field}.tp_size", "must be positive", "MISSING_FIELD")
     tp_ratio(local_tp_size, msg.tp_size)  # TP_NOT_DIVISIBLE before any per-rank head check
     if not msg.HasField("layout"):
-        raise _bad(f"{field}.layout", "must be set", "MISSING_FIELD")
+        raise bad_field(f"{field}.layout", "must be set", "MISSING_FIELD")
     return Side.of(layout_from_proto(msg.layout, f"{field}.layout", msg.tp_size), msg.tp_size)
 
 
@@ -50,7 +50,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         elif which == "remote_address":
             remote = (await self.decoder.peers.get(request.remote_address, "", 0)).side
         else:
-            raise _bad("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
+            raise bad_field("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
         ranks = self.node.check_ranks(request.local_ranks, "local_ranks")
         plans = self.node.plan(
             remote, block_ids_from_proto(request.local_block_ids_per_group),
