@@ -1,0 +1,84 @@
+"""Server lifecycle and multi-server engines: SIGTERM, no leaked memory, single-flight handshakes,
+a decode engine split over two servers, and `kvsvc info`."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from kvsvc.cli.procs import start_server
+from kvsvc.client import AsyncClient
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from tests.e2e.harness import Engine, ReleaseWatch, layout_table
+
+LAYOUT = layout_table(k=4)
+
+
+def shm_segments(engine_id: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"kvsvc-{engine_id}-*"))
+
+
+def test_sigterm_stops_cleanly_and_frees_shared_memory():
+    sp = start_server(engine_id="life-term", role="both", tp_size=2, layout=LAYOUT)
+    assert len(shm_segments("life-term")) == 2
+    assert sp.stop() == 0
+    assert shm_segments("life-term") == [], "pools must be unlinked on shutdown"
+    assert not list(Path("/tmp").glob(f"kvsvc-ucx-{sp.proc.pid}.log"))
+
+
+def test_kvsvc_info_prints_readably():
+    sp = start_server(engine_id="life-info", role="prefill", tp_size=2, layout=LAYOUT)
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvsvc.cli.main", "info", sp.address], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        for part in ("engine      life-info  (prefill)", "hosted ranks [0, 1]", "K=4", "full_attention, 2 layers",
+                     "transport   NIXL", "pool rank 1  DRAM kvsvc-life-info-"):
+            assert part in out.stdout, (part, out.stdout)
+    finally:
+        sp.stop()
+
+
+async def test_concurrent_transfers_share_one_handshake():
+    p = start_server(engine_id="life-p", role="prefill", tp_size=2, layout=LAYOUT)
+    d = start_server(engine_id="life-d", role="decode", tp_size=1, layout=LAYOUT, extra_env={"KVSVC_DEBUG": "1"})
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+            pubs = [await pc.publish_blocks(f"c{i}", [[i]]) for i in range(4)]
+            await asyncio.gather(*(dc.transfer(f"dc{i}", pub.params, [[10 + i]]) for i, pub in enumerate(pubs)))
+    finally:
+        d.stop()
+        p.stop()
+    assert sum("handshake with" in line for line in d.output) == 1
+
+
+async def test_decode_engine_split_over_two_servers():
+    """D TP 2 on two nodes (one rank each): P releases only after both servers' ranks notified."""
+    p = start_server(engine_id="split-p", role="prefill", tp_size=1, layout=LAYOUT)
+    d0 = start_server(engine_id="split-d", role="decode", tp_size=2, ranks=[0], layout=LAYOUT)
+    d1 = start_server(engine_id="split-d", role="decode", tp_size=2, ranks=[1], layout=LAYOUT)
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d0.address) as c0, AsyncClient(d1.address) as c1:
+            pe, e0, e1 = await Engine.of(pc), await Engine.of(c0), await Engine.of(c1)
+            watch = ReleaseWatch(pc)
+            try:
+                await asyncio.sleep(0.05)
+                pe.fill([[4, 5]])
+                pub = await pc.publish_blocks("split", [[4, 5]])
+                await c0.transfer("d-split", pub.params, [[1, 2]])
+                assert (await pc.get_info()).live_leases == 1, "P must wait for D rank 1"
+                assert not [e for e in watch.events if e.request_id == "split"]
+                await c1.transfer("d-split", pub.params, [[1, 2]])
+                events = await watch.wait_for("split")
+                assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED]
+                assert not e0.check([[1, 2]]) and not e1.check([[1, 2]])
+            finally:
+                await watch.close()
+                for e in (pe, e0, e1):
+                    e.close()
+    finally:
+        for sp in (d1, d0, p):
+            sp.stop()
+
