@@ -18,13 +18,23 @@ _OPS = (("remote memory read", "rma_get"), ("remote memory write", "rma_put"), (
 _ROW = re.compile(r"\|\s*[\d.]+(?:\.\.[\w.]+)?\s*\|[^|]*\|\s*([^|]+?)\s*\|")
 
 
+_OWNER = "KVSVC_UCX_LOG_OWNER"
+
+
 def enable_protocol_log() -> Path | None:
-    """Route UCX's protocol selection to a private file; None when the operator set UCX logging."""
-    if "UCX_PROTO_INFO" in os.environ or "UCX_LOG_FILE" in os.environ:
-        return None
+    """Route UCX's protocol selection to a private file; None when the operator set UCX logging.
+
+    The settings are marked as kvsvc's own, so a child process (a server started by a
+    test or the demo) that inherits them takes a file of its own instead of leaving
+    them alone as if an operator had set them.
+    """
+    inherited = os.environ.get(_OWNER) not in (None, str(os.getpid()))
+    if not inherited and ("UCX_PROTO_INFO" in os.environ or "UCX_LOG_FILE" in os.environ):
+        return None if _OWNER not in os.environ else Path(os.environ["UCX_LOG_FILE"])
     path = Path(tempfile.gettempdir()) / f"kvsvc-ucx-{os.getpid()}.log"
     os.environ["UCX_PROTO_INFO"] = "y"
     os.environ["UCX_LOG_FILE"] = str(path)
+    os.environ[_OWNER] = str(os.getpid())
     return path
 
 

@@ -135,8 +135,11 @@ def test_sync_client_against_real_server():
             await box["stop"].wait()
             await running.stop(0)
 
-        box["loop"] = asyncio.new_event_loop()
-        box["loop"].run_until_complete(main())
+        loop = box["loop"] = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
