@@ -12,6 +12,7 @@ from typing import Any
 from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.client import AsyncClient
 from kvsvc.client.attach import attach_pool
+from kvsvc.client.client import ReleaseStream
 from kvsvc.codec import layout_from_proto
 from kvsvc.layout.regions import build_pool_layout
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -66,8 +67,8 @@ async def _run(args: argparse.Namespace, p: ServerProcess, d: ServerProcess, ste
             with attach_pool(pool) as ap:
                 fill_rank(RankMemory(p_regions, ap.buffer), pool.tp_rank, pinfo.tp_size, p_layout.total_num_kv_heads,
                           p_ids, p_layout.block_size)
-        watch = asyncio.ensure_future(_first_release(pc))
-        await asyncio.sleep(0.05)  # let the watch subscribe before anything can be released
+        stream = await pc.open_release_stream()  # subscribed before anything can be released
+        watch = asyncio.ensure_future(_first_release(stream))
         pub = await pc.publish_blocks(REQUEST_ID, p_ids)
         steps.done(f"lease until unix ms {pub.lease_expires_unix_ms}")
 
@@ -107,10 +108,13 @@ async def _run(args: argparse.Namespace, p: ServerProcess, d: ServerProcess, ste
         return not errors
 
 
-async def _first_release(client: AsyncClient) -> pb.WatchReleasesResponse:
-    async for ev in client.watch_releases():
-        return ev
-    raise RuntimeError("release stream ended")
+async def _first_release(stream: ReleaseStream) -> pb.WatchReleasesResponse:
+    try:
+        async for ev in stream:
+            return ev
+        raise RuntimeError("release stream ended")
+    finally:
+        stream.cancel()
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -52,6 +52,27 @@ class ClientOptions:
         return grpc.ssl_channel_credentials(self.tls_root_certs, self.tls_client_key, self.tls_client_cert)
 
 
+class ReleaseStream:
+    """An open WatchReleases call: iterate it for releases, cancel() to stop."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[pb.WatchReleasesResponse]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[pb.WatchReleasesResponse]:
+        try:
+            async for event in self._call:
+                yield event
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise error_from_rpc(e) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 def _blocks(ids_per_group: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
     return [pb.BlockIds(block_ids=[int(b) for b in ids]) for ids in ids_per_group]
 
@@ -120,17 +141,23 @@ class AsyncClient:
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
         return await self._call(self._stub.Notify, request, timeout_s)  # type: ignore[no-any-return]
 
-    async def watch_releases(self) -> AsyncIterator[pb.WatchReleasesResponse]:
-        """Stream released requests until the server or the caller ends it."""
+    async def open_release_stream(self) -> ReleaseStream:
+        """Subscribe to WatchReleases; returns once the server has registered the subscription."""
         call = self._stub.WatchReleases(pb.WatchReleasesRequest())
         try:
-            async for event in call:
-                yield event
+            await call.initial_metadata()
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                raise error_from_rpc(e) from None
+            raise error_from_rpc(e) from None
+        return ReleaseStream(call)
+
+    async def watch_releases(self) -> AsyncIterator[pb.WatchReleasesResponse]:
+        """Stream released requests until the server or the caller ends it."""
+        stream = await self.open_release_stream()
+        try:
+            async for event in stream:
+                yield event
         finally:
-            call.cancel()
+            stream.cancel()
 
 
 class Client:

@@ -15,7 +15,7 @@ import heapq
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
@@ -176,17 +176,11 @@ class LeaseTable:
     def live_count(self) -> int:
         return len(self._live)
 
-    async def watch(self) -> AsyncIterator[Release]:
+    def subscribe(self) -> Subscription:
+        """Releases from this moment on (registered before this returns), until close()."""
         q: asyncio.Queue[Release] = asyncio.Queue()
         self._watchers.add(q)
-        try:
-            while True:
-                ev = await q.get()
-                if ev is _END:
-                    return
-                yield ev
-        finally:
-            self._watchers.discard(q)
+        return Subscription(q, self._watchers)
 
     # ---- internals ------------------------------------------------------------------
 
@@ -252,3 +246,23 @@ class LeaseTable:
 
 
 _END: Release = Release("", LeaseState.ABORTED, [], 0)
+
+
+class Subscription:
+    """An async iterator of releases; ends when the table closes."""
+
+    def __init__(self, queue: asyncio.Queue[Release], registry: set[asyncio.Queue[Release]]) -> None:
+        self._queue, self._registry = queue, registry
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Release:
+        ev = await self._queue.get()
+        if ev is _END:
+            self.close()
+            raise StopAsyncIteration
+        return ev
+
+    def close(self) -> None:
+        self._registry.discard(self._queue)

@@ -87,5 +87,11 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             self.node.require_role(Role.PREFILL, "WatchReleases")
         except KvsvcError as e:
             await context.abort_with_status(rpc_status.to_status(to_status(e)))
-        async for ev in self.node.leases.watch():
-            yield prefill.release_to_proto(ev)
+        sub = self.node.leases.subscribe()
+        try:
+            # Headers go out once subscribed: a caller that awaits them misses no release.
+            await context.send_initial_metadata(())
+            async for ev in sub:
+                yield prefill.release_to_proto(ev)
+        finally:
+            sub.close()

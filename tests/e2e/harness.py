@@ -87,14 +87,19 @@ class Engine:
 
 
 class ReleaseWatch:
-    """Collects P's WatchReleases events in the background."""
+    """Collects P's WatchReleases events in the background (use `await ReleaseWatch.open(client)`)."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, stream: Any) -> None:
         self.events: list[pb.WatchReleasesResponse] = []
-        self._task = asyncio.ensure_future(self._run(client))
+        self._stream = stream
+        self._task = asyncio.ensure_future(self._run())
 
-    async def _run(self, client: AsyncClient) -> None:
-        async for ev in client.watch_releases():
+    @classmethod
+    async def open(cls, client: AsyncClient) -> ReleaseWatch:
+        return cls(await client.open_release_stream())  # subscribed when this returns
+
+    async def _run(self) -> None:
+        async for ev in self._stream:
             self.events.append(ev)
 
     async def wait_for(self, request_id: str, timeout_s: float = 10.0) -> list[pb.WatchReleasesResponse]:
@@ -109,6 +114,7 @@ class ReleaseWatch:
         return []
 
     async def close(self) -> None:
+        self._stream.cancel()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._task
@@ -130,8 +136,7 @@ async def session(p: ServerProcess, d: ServerProcess, options: ClientOptions | N
                   ) -> AsyncIterator[Session]:
     async with AsyncClient(p.address, options) as pc, AsyncClient(d.address, options) as dc:
         pe, de = await Engine.of(pc), await Engine.of(dc)
-        watch = ReleaseWatch(pc)
-        await asyncio.sleep(0.05)  # the watch subscribes before anything can be released
+        watch = await ReleaseWatch.open(pc)
         try:
             yield Session(pc, dc, pe, de, watch)
         finally:

@@ -62,9 +62,8 @@ async def test_decode_engine_split_over_two_servers():
     try:
         async with AsyncClient(p.address) as pc, AsyncClient(d0.address) as c0, AsyncClient(d1.address) as c1:
             pe, e0, e1 = await Engine.of(pc), await Engine.of(c0), await Engine.of(c1)
-            watch = ReleaseWatch(pc)
+            watch = await ReleaseWatch.open(pc)
             try:
-                await asyncio.sleep(0.05)
                 pe.fill([[4, 5]])
                 pub = await pc.publish_blocks("split", [[4, 5]])
                 await c0.transfer("d-split", pub.params, [[1, 2]])

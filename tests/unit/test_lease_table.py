@@ -23,20 +23,24 @@ async def table():
 
 async def collect(table, n, timeout=3.0):
     out = []
+    sub = table.subscribe()
 
     async def take():
-        async for ev in table.watch():
+        async for ev in sub:
             out.append(ev)
             if len(out) == n:
                 return
 
-    await asyncio.wait_for(take(), timeout)
+    try:
+        await asyncio.wait_for(take(), timeout)
+    finally:
+        sub.close()
     return out
 
 
 async def test_consumed_after_every_d_rank(table):
     watcher = asyncio.ensure_future(collect(table, 1))
-    await asyncio.sleep(0.01)  # let the watcher subscribe
+    await asyncio.sleep(0)  # the watcher task subscribes
     table.publish("r", [[1, 2]], None)
     table.claim("r", 7, "D", 4, None)
     assert table.notify("r", "consumed", [0, 1], 7) == (LeaseState.CLAIMED, [2, 3])
@@ -49,7 +53,7 @@ async def test_consumed_after_every_d_rank(table):
 
 async def test_expiry_does_not_assume_publish_order(table):
     watcher = asyncio.ensure_future(collect(table, 1))
-    await asyncio.sleep(0.01)  # let the watcher subscribe
+    await asyncio.sleep(0)  # the watcher task subscribes
     table.publish("long", [[1]], 0.4)
     table.publish("short", [[2]], 0.1)
     table.notify("short", "heartbeat", [], 7)  # extends "short" past "long" (default ttl 5 s)

@@ -76,9 +76,14 @@ class PrefillEngine(Engine):
             fill_rank(mem, rank, self.info.tp_size, self.layout.total_num_kv_heads, ids, self.layout.block_size)
         return (await self.client.publish_blocks(request_id, ids)).params
 
+    async def start(self) -> None:
+        await super().start()
+        # Subscribe before the first publish, so that no release can be missed.
+        self.releases = await self.client.open_release_stream()
+
     async def recycle_released_blocks(self, stop: asyncio.Event) -> None:
         """The other half of the lease: blocks come back only when kvsvc says so."""
-        async for ev in self.client.watch_releases():
+        async for ev in self.releases:
             await self.blocks.give_back(list(ev.block_ids_per_group[0].block_ids))
             print(f"  prefill: {ev.request_id} released ({pb.ReleaseReason.Name(ev.reason)}), "
                   f"{len(self.blocks.free)} blocks free")
@@ -127,6 +132,7 @@ async def main(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.2)
     finally:
         recycler.cancel()
+        prefill.releases.cancel()
         await prefill.close()
         await decode.close()
     print(f"{args.requests} requests moved, KV {'verified' if ok else 'WRONG'}; "
