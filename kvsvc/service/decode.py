@@ -13,7 +13,7 @@ import numpy as np
 from kvsvc.client import AsyncClient
 from kvsvc.codec import bad_field, block_ids_from_proto
 from kvsvc.config import Role
-from kvsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvsvcError
+from kvsvc.errors import DeadlineExceeded, ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer, PeerCache, RemoteRank, peer_client_options
@@ -25,6 +25,18 @@ log = logging.getLogger(__name__)
 # How long a cancelled or failed transfer waits for posted READs to settle before it
 # answers: D's blocks must not be written after the caller was told they are invalid.
 DRAIN_TIMEOUT_S = 10.0
+
+
+# Claim outcomes that leave P's lease state unknown (the claim may have been granted).
+UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
+
+
+class ClaimRefused(Exception):
+    """P refused the claim (its lease is not ours to abort); carries P's error."""
+
+    def __init__(self, error: KvsvcError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass
@@ -79,7 +91,7 @@ class Decoder:
         try:
             peer = await self.peers.get(p.remote_address, p.remote_engine_id, p.remote_epoch)
         except FailedPrecondition as e:
-            if e.reason != "LEASE_EXPIRED":  # refused pair: free P's blocks now, not at lease expiry
+            if e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE"):  # refused pair: free P's blocks now
                 await self._abort_unpaired(p)
             raise
         if p.remote_tp_size and p.remote_tp_size != peer.tp_size:
@@ -90,13 +102,18 @@ class Decoder:
         reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, peer, plan)]
         marks = [("plan", time.perf_counter())]
 
-        claim = await peer.client.claim_lease(pb.ClaimLeaseRequest(
-            request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id=node.config.engine_id,
-            tp_size=node.config.tp_size))
-        claim_deadline = time.monotonic() + claim.lease_remaining_ms / 1000
-        marks.append(("claim", time.perf_counter()))
         posted: list[Posted] = []
         try:
+            try:
+                claim = await peer.client.claim_lease(pb.ClaimLeaseRequest(
+                    request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id=node.config.engine_id,
+                    tp_size=node.config.tp_size))
+            except KvsvcError as e:
+                if e.code not in UNKNOWN_OUTCOME:
+                    raise ClaimRefused(e) from e  # P answered no: nothing of ours to abort
+                raise
+            claim_deadline = time.monotonic() + claim.lease_remaining_ms / 1000
+            marks.append(("claim", time.perf_counter()))
             for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
                 fl = await data.read(t, rr.agent_name, la, ra, ln, notif, rr.memory_kind, rr.device_id)
@@ -122,7 +139,10 @@ class Decoder:
                 raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server released the blocks "
                                          f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
                                          {"request_id": p.remote_request_id, "state": pb.LeaseState.Name(resp.state)})
+        except ClaimRefused as e:
+            raise e.error from None
         except BaseException as e:
+            # A cancelled or lost claim may have gone through: abort it like any failure.
             await self._fail(peer, p, posted, e)
             raise
         marks.append(("notify", time.perf_counter()))

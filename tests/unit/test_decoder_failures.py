@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from kvsvc.config import MemoryMode, load_config
-from kvsvc.errors import DeadlineExceeded
+from kvsvc.errors import DeadlineExceeded, FailedPrecondition
 from kvsvc.layout import build_pool_layout
 from kvsvc.mapping import Side
 from kvsvc.memory.pools import Pool
@@ -40,7 +40,13 @@ class FakePeerClient:
         self.settled_when_notified: list[bool] = []
         self.data: FakeData | None = None
 
+    claim_behaviour = "grant"
+
     async def claim_lease(self, req, **kw):
+        if self.claim_behaviour == "hang":
+            await asyncio.sleep(60)
+        if self.claim_behaviour == "refuse":
+            raise FailedPrecondition("LEASE_CLAIMED", "claimed by another engine", {"claimed_by": "other"})
         return pb.ClaimLeaseResponse(lease_remaining_ms=30_000)
 
     async def notify(self, req, **kw):
@@ -113,3 +119,26 @@ async def test_cancel_waits_for_reads_then_aborts(decoder):
         await task
     assert [n.kind for n in client.notified] == [pb.NOTIFY_KIND_ABORTED]
     assert client.settled_when_notified == [True]
+
+
+async def test_cancel_during_claim_aborts_the_lease(decoder):
+    # The claim may already have been granted when the caller gave up: P must hear ABORTED.
+    dec, client, data = decoder
+    client.claim_behaviour = "hang"
+    task = asyncio.ensure_future(dec.transfer(request(), None))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [(n.kind, n.request_id) for n in client.notified] == [(pb.NOTIFY_KIND_ABORTED, "p-side-id")]
+    assert not data.flights
+
+
+async def test_refused_claim_aborts_nothing(decoder):
+    # Another engine's claim stands: D must not abort a lease that is not its own.
+    dec, client, data = decoder
+    client.claim_behaviour = "refuse"
+    with pytest.raises(FailedPrecondition) as e:
+        await dec.transfer(request(), None)
+    assert e.value.reason == "LEASE_CLAIMED" and e.value.metadata == {"claimed_by": "other"}
+    assert client.notified == [] and not data.flights
