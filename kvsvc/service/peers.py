@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.codec import layout_from_proto, layout_to_proto
-from kvsvc.errors import FailedPrecondition, KvsvcError, Unavailable
+from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.service.node import Node
@@ -39,7 +39,6 @@ class Peer:
     side: Side
     ranks: dict[int, RemoteRank]
     client: AsyncClient
-    connected: set[tuple[int, int]] = field(default_factory=set)
 
     @property
     def tp_size(self) -> int:
@@ -65,7 +64,6 @@ class PeerCache:
         self._node = node
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.handshakes = 0
 
     async def get(self, address: str, expected_engine_id: str, want_epoch: int) -> Peer:
         lock = self._locks.setdefault(address, asyncio.Lock())
@@ -87,11 +85,6 @@ class PeerCache:
                                      {"lease_epoch": want_epoch, "server_epoch": peer.epoch, "address": address})
         return peer
 
-    async def invalidate(self, address: str) -> None:
-        peer = self._peers.get(address)
-        if peer is not None:
-            await self._drop(peer)
-
     async def _drop(self, peer: Peer) -> None:
         self._peers.pop(peer.address, None)
         if self._node.data is not None:
@@ -103,12 +96,11 @@ class PeerCache:
         data = node.require_data_plane("Transfer")
         client = AsyncClient(address, peer_client_options(node))
         try:
-            info = await client.get_info()
-            targets = sorted({r for t in node.hosted_ranks
-                              for r in handshake_target_ranks(t, node.config.tp_size, info.tp_size)})
+            # Every rank the P server hosts (metadata is ~0.5 KB a rank): one round trip, and
+            # the TP mapping below picks the ones each local rank needs.
             resp = await client.handshake(pb.HandshakeRequest(
                 engine_id=node.config.engine_id, tp_size=node.config.tp_size, layout=layout_to_proto(node.layout),
-                layout_hash=node.layout_hash, ranks=targets, expected_engine_id=expected_engine_id))
+                layout_hash=node.layout_hash, expected_engine_id=expected_engine_id))
             side = Side.of(layout_from_proto(resp.layout, "handshake.layout", resp.tp_size), resp.tp_size)
             validate_pair(node.side, side)  # both sides check: never trust one
             ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions],
@@ -119,17 +111,15 @@ class PeerCache:
                 for t in node.hosted_ranks:
                     if h.tp_rank in handshake_target_ranks(t, node.config.tp_size, resp.tp_size):
                         await data.connect(t, h.agent_metadata, h.agent_name)
-                        peer.connected.add((t, h.tp_rank))
         except KvsvcError as e:
             await client.close()
-            if e.code.value == "UNAVAILABLE":
+            if e.code is ErrorCode.UNAVAILABLE:
                 raise Unavailable("PEER_UNAVAILABLE", f"prefill server {address} is unreachable: {e.message}",
                                   {"address": address}) from e
             raise
         except BaseException:
             await client.close()
             raise
-        self.handshakes += 1
         log.info("handshake with %s (%s, epoch %d, TP %d)", address, peer.engine_id, peer.epoch, peer.tp_size)
         return peer
 
