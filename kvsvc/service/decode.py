@@ -31,6 +31,27 @@ DRAIN_TIMEOUT_S = 10.0
 UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
 
 
+HEARTBEAT_MIN_INTERVAL_S = 0.05
+
+
+class LeaseClock:
+    """D's view of P's lease deadline, in local monotonic time (no clock skew between hosts)."""
+
+    def __init__(self, remaining_ms: int) -> None:
+        self.renew(remaining_ms)
+
+    def renew(self, remaining_ms: int) -> None:
+        self.deadline = time.monotonic() + remaining_ms / 1000
+
+    @property
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
 class ClaimRefused(Exception):
     """P refused the claim (its lease is not ours to abort); carries P's error."""
 
@@ -112,7 +133,7 @@ class Decoder:
                 if e.code not in UNKNOWN_OUTCOME:
                     raise ClaimRefused(e) from e  # P answered no: nothing of ours to abort
                 raise
-            claim_deadline = time.monotonic() + claim.lease_remaining_ms / 1000
+            lease = LeaseClock(claim.lease_remaining_ms)
             marks.append(("claim", time.perf_counter()))
             for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
@@ -120,16 +141,19 @@ class Decoder:
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
             waits = asyncio.gather(*(x.flight.result for x in posted))
-            if time_remaining_s is None:
-                await waits
-            else:
-                try:
+            keeper = asyncio.ensure_future(self._heartbeat(peer, p, lease))
+            try:
+                if time_remaining_s is None:
+                    await waits
+                else:
                     await asyncio.wait_for(waits, max(0.0, time_remaining_s - (time.perf_counter() - started)))
-                except TimeoutError as e:
-                    raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
-                                           {"request_id": req.request_id}) from e
+            except TimeoutError as e:
+                raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
+                                       {"request_id": req.request_id}) from e
+            finally:
+                keeper.cancel()
             marks.append(("reads", time.perf_counter()))
-            if time.monotonic() > claim_deadline:
+            if lease.expired:
                 raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                          {"request_id": p.remote_request_id})
             resp = await peer.client.notify(pb.NotifyRequest(
@@ -161,6 +185,21 @@ class Decoder:
             r.duration_us = max(r.duration_us, int(x.flight.result.result() * 1e6))
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
                                    duration_us=int((time.perf_counter() - started) * 1e6))
+
+    async def _heartbeat(self, peer: Peer, p: pb.TransferParams, lease: LeaseClock) -> None:
+        """Keep P's lease alive while long reads run: HEARTBEAT at a third of the time left."""
+        while True:
+            await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, lease.remaining_s / 3))
+            try:
+                resp = await peer.client.notify(pb.NotifyRequest(
+                    request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_HEARTBEAT, engine_id=self.node.config.engine_id,
+                    tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch))
+            except KvsvcError:
+                log.warning("heartbeat for %s failed", p.remote_request_id)
+                continue
+            if resp.state not in (pb.LEASE_STATE_CLAIMED, pb.LEASE_STATE_OFFERED):
+                return  # released meanwhile: the final notify will say so
+            lease.renew(resp.lease_remaining_ms)
 
     async def _abort_unpaired(self, p: pb.TransferParams) -> None:
         """Best-effort ABORTED to a P we could not pair with (its lease would otherwise wait out its TTL)."""

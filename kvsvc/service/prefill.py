@@ -114,8 +114,11 @@ def notify(node: Node, req: pb.NotifyRequest) -> pb.NotifyResponse:
         raise bad_field("request_id", "must be set (the P-side request id)", "MISSING_FIELD")
     state, pending = node.leases.notify(req.request_id, NOTIFY_KINDS[req.kind], list(req.done_ranks),
                                         req.lease_epoch, req.tp_size)
+    lease = node.leases.get(req.request_id)
+    remaining = lease.expires_at - time.monotonic() if lease is not None and state and not state.released else 0.0
     return pb.NotifyResponse(state=LEASE_STATES.get(state, pb.LEASE_STATE_UNKNOWN) if state else
-                             pb.LEASE_STATE_UNKNOWN, pending_ranks=pending)
+                             pb.LEASE_STATE_UNKNOWN, pending_ranks=pending,
+                             lease_remaining_ms=max(0, int(remaining * 1000)))
 
 
 def release_to_proto(ev: Release) -> pb.WatchReleasesResponse:

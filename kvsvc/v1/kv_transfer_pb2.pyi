@@ -566,12 +566,14 @@ class NotifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyKind, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., done_ranks: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class NotifyResponse(_message.Message):
-    __slots__ = ("state", "pending_ranks")
+    __slots__ = ("state", "pending_ranks", "lease_remaining_ms")
     STATE_FIELD_NUMBER: _ClassVar[int]
     PENDING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     state: LeaseState
     pending_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, state: _Optional[_Union[LeaseState, str]] = ..., pending_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_remaining_ms: int
+    def __init__(self, state: _Optional[_Union[LeaseState, str]] = ..., pending_ranks: _Optional[_Iterable[int]] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
 
 class WatchReleasesRequest(_message.Message):
     __slots__ = ()

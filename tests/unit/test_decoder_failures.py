@@ -47,11 +47,17 @@ class FakePeerClient:
             await asyncio.sleep(60)
         if self.claim_behaviour == "refuse":
             raise FailedPrecondition("LEASE_CLAIMED", "claimed by another engine", {"claimed_by": "other"})
-        return pb.ClaimLeaseResponse(lease_remaining_ms=30_000)
+        return pb.ClaimLeaseResponse(lease_remaining_ms=self.claim_ms)
+
+    claim_ms = 30_000
 
     async def notify(self, req, **kw):
         self.notified.append(req)
         self.settled_when_notified.append(all(f.settled.is_set() for f in self.data.flights))
+        if req.kind == pb.NOTIFY_KIND_HEARTBEAT:
+            return pb.NotifyResponse(state=pb.LEASE_STATE_CLAIMED, lease_remaining_ms=self.claim_ms)
+        if req.kind == pb.NOTIFY_KIND_CONSUMED:
+            return pb.NotifyResponse(state=pb.LEASE_STATE_CONSUMED)
         return pb.NotifyResponse(state=pb.LEASE_STATE_ABORTED)
 
     async def close(self):
@@ -142,3 +148,46 @@ async def test_refused_claim_aborts_nothing(decoder):
         await dec.transfer(request(), None)
     assert e.value.reason == "LEASE_CLAIMED" and e.value.metadata == {"claimed_by": "other"}
     assert client.notified == [] and not data.flights
+
+
+async def test_long_reads_keep_the_lease_alive(decoder):
+    # Reads outlive the lease (150 ms): heartbeats renew it, and the transfer succeeds.
+    dec, client, data = decoder
+    client.claim_ms = 150
+
+    def finish() -> None:
+        for f in data.flights:
+            f.result.set_result(0.5)
+            f.settled.set()
+
+    task = asyncio.ensure_future(dec.transfer(request(), None))
+    await asyncio.sleep(0.01)
+    asyncio.get_running_loop().call_later(0.5, finish)
+    resp = await task
+    kinds = [n.kind for n in client.notified]
+    assert kinds.count(pb.NOTIFY_KIND_HEARTBEAT) >= 3 and kinds[-1] == pb.NOTIFY_KIND_CONSUMED
+    assert resp.total_bytes > 0
+
+
+async def test_reads_past_an_unrenewed_lease_fail(decoder):
+    # Heartbeats cannot renew (P answers an expired lease): the transfer must not report success.
+    dec, client, data = decoder
+    client.claim_ms = 100
+
+    async def expired(req, **kw):
+        client.notified.append(req)
+        return pb.NotifyResponse(state=pb.LEASE_STATE_EXPIRED)
+
+    client.notify = expired
+
+    def finish() -> None:
+        for f in data.flights:
+            f.result.set_result(0.3)
+            f.settled.set()
+
+    task = asyncio.ensure_future(dec.transfer(request(), None))
+    await asyncio.sleep(0.01)
+    asyncio.get_running_loop().call_later(0.3, finish)
+    with pytest.raises(FailedPrecondition) as e:
+        await task
+    assert e.value.reason == "LEASE_EXPIRED"
