@@ -14,7 +14,10 @@ from kvsvc.client import AsyncClient
 from kvsvc.client.attach import attach_pool
 from kvsvc.client.client import ReleaseStream
 from kvsvc.codec import layout_from_proto
+from kvsvc.errors import InvalidArgument
+from kvsvc.layout.build import layout_from_dict
 from kvsvc.layout.regions import build_pool_layout
+from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.verify import RankMemory, check_rank, fill_rank
 
@@ -117,8 +120,18 @@ async def _first_release(stream: ReleaseStream) -> pb.WatchReleasesResponse:
         stream.cancel()
 
 
+def check_shape(layout: dict[str, Any], args: argparse.Namespace) -> None:
+    """Refuse an impossible demo up front, with the reason the service would give."""
+    p_layout = layout_from_dict(layout, args.prefill_tp)
+    d_layout = layout_from_dict(layout, args.decode_tp)
+    validate_pair(Side.of(d_layout, args.decode_tp), Side.of(p_layout, args.prefill_tp))
+    if args.blocks <= 0:
+        raise InvalidArgument("INVALID_ARGUMENT", f"--blocks must be positive, got {args.blocks}")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     layout = demo_layout(args)
+    check_shape(layout, args)
     kind = "MLA" if args.mla else f"GQA K={args.kv_heads}"
     if not args.quiet:
         print(f"kvsvc demo: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {kind}, {args.layers} layers, "

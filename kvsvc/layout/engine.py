@@ -122,8 +122,14 @@ class EngineLayout:
                 if name in seen:
                     bad.append(FieldViolation(f"{where}.layers[{li}]", f"layer {name!r} appears twice"))
                 seen.add(name)
-        if SpecFamily.ATTENTION in families and self.total_num_kv_heads <= 0:
+        k = self.total_num_kv_heads
+        if SpecFamily.ATTENTION in families and k <= 0:
             bad.append(FieldViolation("layout.total_num_kv_heads", "must be positive for attention layers"))
+        elif SpecFamily.ATTENTION in families and tp_size and (k % tp_size if tp_size <= k else tp_size % k):
+            # TP attention gives each rank K/tp heads, or replicates one head over tp/K ranks;
+            # anything else would drop or split heads.
+            bad.append(FieldViolation("layout.total_num_kv_heads",
+                                      f"{k} KV heads cannot be sharded over TP {tp_size}: one must divide the other"))
         if bad:
             raise InvalidArgument(
                 "INVALID_LAYOUT",

@@ -112,3 +112,15 @@ def test_hash_is_tp_and_block_invariant():
     assert a == compatibility_hash(simple_layout(tp_size=4, block_size=32, num_blocks=99))
     assert a != compatibility_hash(simple_layout(tp_size=1, head_size=128))
     assert a != compatibility_hash(simple_layout(tp_size=1, model_id="other"))
+
+
+@pytest.mark.parametrize(("k", "tp"), [(6, 4), (8, 3), (2, 3), (4, 6)])
+def test_kv_heads_must_shard_over_tp(k, tp):
+    with pytest.raises(InvalidArgument) as e:
+        simple_layout(tp_size=tp, kv_heads=k)
+    assert any(v.field == "layout.total_num_kv_heads" for v in e.value.field_violations)
+
+
+@pytest.mark.parametrize(("k", "tp"), [(8, 16), (1, 8), (6, 3), (4, 4)])
+def test_kv_heads_shard_or_replicate(k, tp):
+    assert simple_layout(tp_size=tp, kv_heads=k).validate(tp) is None

@@ -1,0 +1,31 @@
+"""`kvsvc demo` as a user runs it: a verified transfer, or a clear refusal and a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvsvc.cli.main", "demo", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+@pytest.mark.parametrize("args", [(), ("--prefill-tp", "1", "--decode-tp", "2", "--mla", "--layers", "2")])
+def test_demo_verifies(args):
+    out = demo(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "VERIFIED" in out.stdout and "RELEASE_REASON_CONSUMED" in out.stdout
+    assert "exit codes 0, 0" in out.stdout
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (("--kv-heads", "6", "--prefill-tp", "3", "--decode-tp", "2"), "TP_NOT_DIVISIBLE"),
+    (("--kv-heads", "6", "--prefill-tp", "4"), "INVALID_LAYOUT"),
+])
+def test_demo_refuses_clearly(args, reason):
+    out = demo(*args)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"kvsvc: {reason}:") and "Traceback" not in out.stderr
