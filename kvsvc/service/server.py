@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc.config import ServerConfig
+from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer
@@ -27,6 +28,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvTransferService"].full_name
 
 # Keepalive the server permits; the client library's defaults stay inside it.
 SERVER_OPTIONS_BASE = [
+    # Never share a port with another process: two servers on one port would split traffic.
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_time_ms", 60_000),
@@ -91,9 +94,11 @@ async def create_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     creds = server_credentials(config)
-    port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"could not bind {config.listen}")
+    try:
+        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    except RuntimeError as e:  # grpc reports a failed bind this way
+        raise FailedPrecondition("ADDRESS_IN_USE", f"cannot listen on {config.listen}: {e}; is another server "
+                                 "running there?", {"listen": config.listen}) from e
     host = config.listen.rsplit(":", 1)[0]
     node.bind(f"{host}:{port}")
     try:

@@ -141,3 +141,12 @@ async def test_health_serving_then_not_serving(control_server):
         await control_server.health.enter_graceful_shutdown()
         resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
         assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_second_server_on_a_port_is_refused(control_server):
+    from kvsvc.config import MemoryMode, load_config
+    from kvsvc.service.server import create_server
+
+    with pytest.raises(FailedPrecondition) as e:
+        await create_server(load_config(listen=f"127.0.0.1:{control_server.port}", memory=MemoryMode.NONE))
+    assert e.value.reason == "ADDRESS_IN_USE"
