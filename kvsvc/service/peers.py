@@ -85,6 +85,21 @@ class PeerCache:
                                      {"lease_epoch": want_epoch, "server_epoch": peer.epoch, "address": address})
         return peer
 
+    async def side_of(self, address: str) -> Side:
+        """A remote engine's layout and TP, for planning only: no NIXL wiring, no data plane needed."""
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer.side
+        try:
+            async with AsyncClient(address, peer_client_options(self._node)) as client:
+                info = await client.get_info()
+        except KvsvcError as e:
+            if e.code is ErrorCode.UNAVAILABLE:
+                raise Unavailable("PEER_UNAVAILABLE", f"server {address} is unreachable: {e.message}",
+                                  {"address": address}) from e
+            raise
+        return Side.of(layout_from_proto(info.layout, "remote.layout", info.tp_size), info.tp_size)
+
     async def _drop(self, peer: Peer) -> None:
         self._peers.pop(peer.address, None)
         if self._node.data is not None:

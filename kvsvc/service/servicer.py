@@ -48,7 +48,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         if which == "inline_remote":
             remote = inline_remote_side(request.inline_remote, "inline_remote", self.node.config.tp_size)
         elif which == "remote_address":
-            remote = (await self.decoder.peers.get(request.remote_address, "", 0)).side
+            remote = await self.decoder.peers.side_of(request.remote_address)
         else:
             raise bad_field("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
         ranks = self.node.check_ranks(request.local_ranks, "local_ranks")

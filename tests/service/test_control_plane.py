@@ -150,3 +150,13 @@ async def test_second_server_on_a_port_is_refused(control_server):
     with pytest.raises(FailedPrecondition) as e:
         await create_server(load_config(listen=f"127.0.0.1:{control_server.port}", memory=MemoryMode.NONE))
     assert e.value.reason == "ADDRESS_IN_USE"
+
+
+async def test_plan_by_address_needs_no_data_plane(control_server, control_client):
+    # A control-plane-only server plans against another server named by address (here: itself, TP 2).
+    req = pb.PlanTransferRequest(remote_address=f"127.0.0.1:{control_server.port}",
+                                 local_block_ids_per_group=blocks([1, 2]), remote_block_ids_per_group=blocks([3, 4]),
+                                 summary_only=True)
+    plan = await control_client.plan_transfer(req)
+    assert [p.tp_ratio for p in plan.rank_plans] == [1, 1]
+    assert [list(p.source_ranks) for p in plan.rank_plans] == [[0], [1]]
