@@ -11,6 +11,7 @@ export interface RegionInfo {
 }
 export interface PoolInfo {
   tp_rank: number; memory_kind: string; shm_name: string; size_bytes: string; device_id: number; regions: RegionInfo[];
+  cuda_ipc: Record<string, unknown> | null;
 }
 export interface GetInfoResponse {
   engine_id: string; role: string; tp_size: number; hosted_ranks: number[]; layout: Record<string, unknown>;

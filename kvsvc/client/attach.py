@@ -109,19 +109,13 @@ def attach_pool(info: pb.PoolInfo) -> AttachedPool:
 
 
 def _open_cuda(info: pb.PoolInfo) -> Any:
-    """Open a VRAM pool from its CUDA IPC handle as a flat uint8 torch tensor."""
+    """Open a VRAM pool shared with torch's CUDA IPC as a flat uint8 torch tensor."""
     import torch
-    from cuda.bindings import runtime
 
-    handle = runtime.cudaIpcMemHandle_t()
-    handle.reserved = bytes(info.cuda_ipc_handle)
-    err, = runtime.cudaSetDevice(info.device_id)[:1]
-    err, ptr = runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
-    if err != runtime.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaIpcOpenMemHandle failed: {err}")
-
-    class _Cai:
-        __cuda_array_interface__ = {"shape": (info.size_bytes,), "typestr": "|u1",
-                                    "data": (int(ptr) + info.cuda_ipc_offset_bytes, False), "version": 3}
-
-    return torch.as_tensor(_Cai(), device=f"cuda:{info.device_id}")
+    ipc = info.cuda_ipc
+    torch.cuda._lazy_init()  # as torch.multiprocessing's rebuild_cuda_tensor does
+    storage = torch.UntypedStorage._new_shared_cuda(
+        info.device_id, ipc.handle, ipc.storage_size_bytes, ipc.storage_offset_bytes,
+        ipc.ref_counter_handle, ipc.ref_counter_offset, ipc.event_handle, ipc.event_sync_required)
+    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{info.device_id}")
+    return tensor.set_(storage, 0, (info.size_bytes,), (1,))

@@ -20,8 +20,7 @@ class Pool:
     memory_kind = "DRAM"  # NIXL memory type
     shm_name = ""
     device_id = 0
-    cuda_ipc_handle = b""
-    cuda_ipc_offset = 0
+    cuda_ipc: tuple[Any, ...] | None = None  # torch's (device, handle, size, offset, refcount..., event...)
 
     def __init__(self, rank: int, size_bytes: int, base_address: int) -> None:
         self.rank = rank
@@ -72,7 +71,8 @@ class CudaPool(Pool):
         self._tensor: Any = torch.zeros(size_bytes, dtype=torch.uint8, device=f"cuda:{device}")
         super().__init__(rank, size_bytes, int(self._tensor.data_ptr()))
         self.device_id = device
-        self.cuda_ipc_handle, self.cuda_ipc_offset = _cuda_ipc_handle(self.base_address)
+        # The same sharing torch.multiprocessing uses; an engine opens it with attach_pool.
+        self.cuda_ipc = tuple(self._tensor.untyped_storage()._share_cuda_())
 
     @property
     def tensor(self) -> Any:
@@ -123,19 +123,6 @@ def attach_shm(name: str, size_bytes: int) -> np.ndarray:
     except FileNotFoundError as e:
         raise FailedPrecondition("POOL_NOT_FOUND", f"shared memory {name} does not exist (server stopped?)",
                                  {"shm_name": name}) from e
-
-
-def _cuda_ipc_handle(ptr: int) -> tuple[bytes, int]:
-    """(cudaIpcMemHandle bytes, offset of ptr in its allocation) via the CUDA driver API."""
-    from cuda.bindings import driver, runtime  # shipped with CUDA builds of torch
-
-    err, handle = runtime.cudaIpcGetMemHandle(ptr)
-    if err != runtime.cudaError_t.cudaSuccess:
-        raise FailedPrecondition("CUDA_IPC_FAILED", f"cudaIpcGetMemHandle failed: {err}")
-    err, base, _size = driver.cuMemGetAddressRange(ptr)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise FailedPrecondition("CUDA_IPC_FAILED", f"cuMemGetAddressRange failed: {err}")
-    return bytes(handle.reserved), ptr - int(base)
 
 
 __all__ = ["CudaPool", "ExternalPool", "Pool", "ShmPool", "attach_shm", "shm_name_for"]

@@ -28,6 +28,15 @@ def new_epoch() -> int:
     return secrets.randbits(63) or 1
 
 
+def _cuda_ipc_to_proto(share: tuple[Any, ...] | None) -> pb.CudaIpc | None:
+    if share is None:
+        return None
+    _device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = share
+    return pb.CudaIpc(handle=bytes(handle), storage_size_bytes=int(size), storage_offset_bytes=int(offset),
+                      ref_counter_handle=bytes(ref_handle or b""), ref_counter_offset=int(ref_offset or 0),
+                      event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
+
+
 class Node:
     """One engine's ranks on this node. External pools (embedding mode) replace allocation."""
 
@@ -152,8 +161,8 @@ class Node:
         for rank, pool in sorted(self.pools.items()):
             out.append(pb.PoolInfo(
                 tp_rank=rank, memory_kind=self.memory_kind(rank),
-                shm_name=pool.shm_name, size_bytes=pool.size_bytes, cuda_ipc_handle=pool.cuda_ipc_handle,
-                cuda_ipc_offset_bytes=pool.cuda_ipc_offset, device_id=pool.device_id, regions=self.region_table(rank)))
+                shm_name=pool.shm_name, size_bytes=pool.size_bytes, device_id=pool.device_id,
+                regions=self.region_table(rank), cuda_ipc=_cuda_ipc_to_proto(pool.cuda_ipc)))
         return out
 
     def info(self) -> pb.GetInfoResponse:

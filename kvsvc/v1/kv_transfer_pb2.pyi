@@ -239,24 +239,40 @@ class RegionInfo(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., group_index: _Optional[int] = ..., layer_name: _Optional[str] = ..., pool_offset_bytes: _Optional[int] = ..., base_address: _Optional[int] = ..., block_len_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "cuda_ipc_handle", "device_id", "regions", "cuda_ipc_offset_bytes")
+    __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "device_id", "regions", "cuda_ipc")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
-    CUDA_IPC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     memory_kind: MemoryKind
     shm_name: str
     size_bytes: int
-    cuda_ipc_handle: bytes
     device_id: int
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
-    cuda_ipc_offset_bytes: int
-    def __init__(self, tp_rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., cuda_ipc_offset_bytes: _Optional[int] = ...) -> None: ...
+    cuda_ipc: CudaIpc
+    def __init__(self, tp_rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
+
+class CudaIpc(_message.Message):
+    __slots__ = ("handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
     __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason")
