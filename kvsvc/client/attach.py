@@ -38,26 +38,8 @@ class AttachedPool:
         return self.buffer[start:].as_strided((n, length), (stride, 1))
 
     def kv(self, region: pb.RegionInfo, layout: pb.KvLayout) -> Any:
-        """A region as the engine sees its cache, typed and shaped from the layout.
-
-        Attention: [num_blocks, heads, tokens, head_size] (HND) or [num_blocks, tokens,
-        heads, head_size] (NHD); MLA: [num_blocks, tokens, head_size]; Mamba state:
-        [num_blocks, *state_shape]. numpy has no bfloat16, so DRAM bf16 comes as uint16
-        bits (use .view(torch.bfloat16) after torch.from_numpy); VRAM pools give torch.
-        """
-        shape, dtype = _region_shape(region, layout, self.info.regions)
-        raw = self.region(region)
-        if isinstance(raw, np.ndarray):
-            np_dtype = np.dtype(_NUMPY_DTYPES[dtype])
-            inner = [np_dtype.itemsize]
-            for dim in reversed(shape[1:]):
-                inner.insert(0, inner[0] * dim)
-            # Exact strides (never a silent copy): block stride outside, C order inside.
-            return np.lib.stride_tricks.as_strided(raw.view(np_dtype), shape=(region.num_blocks, *shape),
-                                                   strides=(region.block_stride_bytes, *inner), writeable=True)
-        import torch
-
-        return raw.view(getattr(torch, _TORCH_DTYPES[dtype])).reshape(region.num_blocks, *shape)
+        """A region as the engine sees its cache: see typed_view."""
+        return typed_view(self.buffer, region, layout, self.info.regions)
 
     def close(self) -> None:
         """Drop this handle's reference; the mapping goes when no view of it is left."""
@@ -68,6 +50,35 @@ class AttachedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def typed_view(buffer: Any, region: pb.RegionInfo, layout: pb.KvLayout, regions: Any) -> Any:
+    """One region of a flat uint8 pool (numpy array or torch tensor), typed and shaped from the layout.
+
+    Attention: [num_blocks, heads, tokens, head_size] (HND) or [num_blocks, tokens, heads,
+    head_size] (NHD); MLA: [num_blocks, tokens, head_size]; Mamba state: [num_blocks,
+    *state_shape]. numpy has no bfloat16, so bf16 comes as uint16 bits there (torch gives
+    bfloat16). The view has exact strides (the block stride outside, C order inside): it
+    aliases the pool, never a copy.
+    """
+    shape, dtype = _region_shape(region, layout, regions)
+    inner = [1]
+    for dim in reversed(shape[1:]):
+        inner.insert(0, inner[0] * dim)
+    start, n = region.pool_offset_bytes, region.num_blocks
+    if isinstance(buffer, np.ndarray):
+        np_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+        size = np_dtype.itemsize
+        usable = (buffer.size - start) // size * size
+        return np.lib.stride_tricks.as_strided(buffer[start:start + usable].view(np_dtype), shape=(n, *shape),
+                                               strides=(region.block_stride_bytes, *(i * size for i in inner)),
+                                               writeable=True)
+    import torch
+
+    tdt = getattr(torch, _TORCH_DTYPES[dtype])
+    size = torch.empty(0, dtype=tdt).element_size()
+    usable = (buffer.numel() - start) // size * size
+    return buffer[start:start + usable].view(tdt).as_strided((n, *shape), (region.block_stride_bytes // size, *inner))
 
 
 _NUMPY_DTYPES: dict[int, str] = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "uint16", pb.DTYPE_FLOAT32: "float32",
