@@ -100,6 +100,15 @@ def settle_later(data: FakeData, delay_s: float) -> None:
     asyncio.get_running_loop().call_later(delay_s, settle)
 
 
+def complete_later(data: FakeData, delay_s: float) -> None:
+    def complete() -> None:
+        for f in data.flights:
+            f.result.set_result(delay_s)
+            f.settled.set()
+
+    asyncio.get_running_loop().call_later(delay_s, complete)
+
+
 async def test_deadline_waits_for_reads_then_aborts(decoder):
     dec, client, data = decoder
     task = asyncio.ensure_future(dec.transfer(request(), 0.05))
@@ -155,14 +164,9 @@ async def test_long_reads_keep_the_lease_alive(decoder):
     dec, client, data = decoder
     client.claim_ms = 150
 
-    def finish() -> None:
-        for f in data.flights:
-            f.result.set_result(0.5)
-            f.settled.set()
-
     task = asyncio.ensure_future(dec.transfer(request(), None))
     await asyncio.sleep(0.01)
-    asyncio.get_running_loop().call_later(0.5, finish)
+    complete_later(data, 0.5)
     resp = await task
     kinds = [n.kind for n in client.notified]
     assert kinds.count(pb.NOTIFY_KIND_HEARTBEAT) >= 3 and kinds[-1] == pb.NOTIFY_KIND_CONSUMED
@@ -180,14 +184,9 @@ async def test_reads_past_an_unrenewed_lease_fail(decoder):
 
     client.notify = expired
 
-    def finish() -> None:
-        for f in data.flights:
-            f.result.set_result(0.3)
-            f.settled.set()
-
     task = asyncio.ensure_future(dec.transfer(request(), None))
     await asyncio.sleep(0.01)
-    asyncio.get_running_loop().call_later(0.3, finish)
+    complete_later(data, 0.3)
     with pytest.raises(FailedPrecondition) as e:
         await task
     assert e.value.reason == "LEASE_EXPIRED"
