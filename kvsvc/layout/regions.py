@@ -45,10 +45,6 @@ class Region:
     def is_ssm(self) -> bool:
         return self.kind is RegionKind.SSM_STATE
 
-    def block_offset(self, block: int) -> int:
-        """Offset of a block from the region's block 0."""
-        return block * self.block_stride
-
     @property
     def extent(self) -> int:
         """Bytes from block 0 to the end of the last block."""

@@ -174,10 +174,3 @@ def spec_family(spec: KVCacheSpec) -> SpecFamily:
             raise InvalidArgument("NESTED_UNIFORM_GROUP", f"layer {name} nests a uniform-type spec")
     return spec_family_of_type(representative_spec_type(spec))
 
-
-def is_attention_like(spec_type: type[KVCacheSpec]) -> bool:
-    return issubclass(spec_type, AttentionSpec)
-
-
-def is_ssm(spec_type: type[KVCacheSpec]) -> bool:
-    return issubclass(spec_type, MambaSpec)
