@@ -49,10 +49,11 @@ def handshake(node: Node, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
     if not req.HasField("layout"):
         raise bad_field("layout", "must be set", "MISSING_FIELD")
     peer_layout = layout_from_proto(req.layout, "layout", req.tp_size)
-    if req.layout_hash and req.layout_hash != compatibility_hash(peer_layout):
+    computed = compatibility_hash(peer_layout)
+    if req.layout_hash and req.layout_hash != computed:
         raise InvalidArgument("LAYOUT_HASH_MISMATCH", f"layout_hash {req.layout_hash} does not match the layout "
-                              f"sent ({compatibility_hash(peer_layout)}): kvsvc versions differ?",
-                              {"layout_hash": req.layout_hash, "computed": compatibility_hash(peer_layout)})
+                              f"sent ({computed}): kvsvc versions differ?",
+                              {"layout_hash": req.layout_hash, "computed": computed})
     validate_pair(Side.of(peer_layout, req.tp_size), node.side)
     ranks = list(req.ranks) or list(node.hosted_ranks)
     missing = [r for r in ranks if r not in node.hosted_ranks]
