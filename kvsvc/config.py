@@ -69,6 +69,9 @@ class ServerConfig:
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
     """Deadline of server-to-server RPCs (handshake, claim, notify), seconds."""
+    allowed_peers: tuple[str, ...] = ()
+    """Engine ids allowed to handshake, claim and notify (empty: any). With mutual TLS the
+    engine id must also be the peer certificate's common name or a DNS name in it."""
     tls_cert_file: str = ""
     """PEM certificate chain of this server; with tls_key_file, the port serves TLS only."""
     tls_key_file: str = ""
@@ -124,6 +127,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
             kw["memory"] = MemoryMode(srv["memory"])
         if "ranks" in srv:
             kw["ranks"] = tuple(int(r) for r in srv["ranks"])
+        if "allowed_peers" in srv:
+            kw["allowed_peers"] = tuple(str(p) for p in srv["allowed_peers"])
         if "layout" in doc:
             kw["layout_table"] = doc["layout"]
         cfg = replace(cfg, **kw)

@@ -4,6 +4,7 @@
     ├── InvalidArgument             the request itself is malformed (INVALID_ARGUMENT)
     ├── FailedPrecondition          valid request, wrong state or incompatible peer
     ├── NotFound                    no such engine, lease or rank (NOT_FOUND)
+    ├── PermissionDenied            the peer is not allowed to read this server's KV
     ├── Unavailable                 a peer or the data plane cannot be reached
     ├── DeadlineExceeded            the transfer did not finish in time
     └── Internal                    a bug or a failed transfer (TRANSFER_FAILED)
@@ -32,6 +33,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"
     UNIMPLEMENTED = "UNIMPLEMENTED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     INTERNAL = "INTERNAL"
 
@@ -81,6 +83,10 @@ class FailedPrecondition(KvsvcError):
 
 class NotFound(KvsvcError):
     code = ErrorCode.NOT_FOUND
+
+
+class PermissionDenied(KvsvcError):
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class Unavailable(KvsvcError):

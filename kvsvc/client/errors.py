@@ -16,6 +16,7 @@ from kvsvc.errors import (
     InvalidArgument,
     KvsvcError,
     NotFound,
+    PermissionDenied,
     Unavailable,
 )
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -24,6 +25,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvsvcError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.INTERNAL: Internal,

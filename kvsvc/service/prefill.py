@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout_to_proto
 from kvsvc.config import Role
-from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.table import Lease, LeaseState, Release, monotonic_to_unix_ms
 from kvsvc.mapping.geometry import check_block_ids
@@ -33,12 +34,30 @@ NOTIFY_KINDS = {pb.NOTIFY_KIND_CONSUMED: "consumed", pb.NOTIFY_KIND_ABORTED: "ab
                 pb.NOTIFY_KIND_HEARTBEAT: "heartbeat"}
 
 
-def handshake(node: Node, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
+def authorize(node: Node, engine_id: str, peer_names: Sequence[str], what: str) -> None:
+    """PEER_NOT_ALLOWED unless engine_id is allowed (and, under mTLS, named by its certificate).
+
+    The handshake hands out NIXL metadata that lets the caller read this server's KV
+    memory, so it is the gate; claims and notifications are checked the same way.
+    """
+    allowed = node.config.allowed_peers
+    if not allowed:
+        return
+    if engine_id not in allowed:
+        raise PermissionDenied("PEER_NOT_ALLOWED", f"engine {engine_id!r} may not {what} here",
+                               {"engine_id": engine_id})
+    if node.config.tls_client_ca_file and engine_id not in peer_names:
+        raise PermissionDenied("PEER_NOT_ALLOWED", f"engine {engine_id!r} does not match its certificate "
+                               f"({', '.join(peer_names) or 'none'})", {"engine_id": engine_id})
+
+
+def handshake(node: Node, req: pb.HandshakeRequest, peer_names: Sequence[str] = ()) -> pb.HandshakeResponse:
     """Validate the peer (engine, TP, layout) from the reader's side, then hand out rank metadata."""
     node.require_role(Role.PREFILL, "Handshake")
     data = node.require_data_plane("Handshake")
     if not req.engine_id:
         raise bad_field("engine_id", "must be set", "MISSING_FIELD")
+    authorize(node, req.engine_id, peer_names, "handshake")
     if req.tp_size == 0:
         raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
     if req.expected_engine_id and req.expected_engine_id != node.config.engine_id:
@@ -96,8 +115,9 @@ def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksRespons
     return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
 
 
-def claim(node: Node, req: pb.ClaimLeaseRequest) -> pb.ClaimLeaseResponse:
+def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ()) -> pb.ClaimLeaseResponse:
     node.require_role(Role.PREFILL, "ClaimLease")
+    authorize(node, req.engine_id, peer_names, "claim leases")
     if req.tp_size == 0:
         raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
     lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, req.engine_id, req.tp_size,
@@ -106,8 +126,9 @@ def claim(node: Node, req: pb.ClaimLeaseRequest) -> pb.ClaimLeaseResponse:
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
 
 
-def notify(node: Node, req: pb.NotifyRequest) -> pb.NotifyResponse:
+def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) -> pb.NotifyResponse:
     node.require_role(Role.PREFILL, "Notify")
+    authorize(node, req.engine_id, peer_names, "notify")
     if req.kind not in NOTIFY_KINDS:
         raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
                    value=req.kind)

@@ -29,6 +29,13 @@ def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> 
     return Side.of(layout_from_proto(msg.layout, f"{field}.layout", msg.tp_size), msg.tp_size)
 
 
+def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
+    """Names in the caller's TLS certificate (common name and DNS names); empty without mTLS."""
+    auth = context.auth_context() or {}
+    names = [*auth.get("x509_common_name", []), *auth.get("x509_subject_alternative_name", [])]
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+
+
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     """Thin: every rule lives in the node, the role modules and the layers below them."""
 
@@ -60,7 +67,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:
-        return prefill.handshake(self.node, request)
+        return prefill.handshake(self.node, request, peer_names(context))
 
     @rpc_errors
     async def PublishBlocks(
@@ -70,7 +77,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:
-        return prefill.claim(self.node, request)
+        return prefill.claim(self.node, request, peer_names(context))
 
     @rpc_errors
     async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:
@@ -78,7 +85,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
-        return prefill.notify(self.node, request)
+        return prefill.notify(self.node, request, peer_names(context))
 
     async def WatchReleases(
         self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext

@@ -131,3 +131,25 @@ async def test_mixed_family_handshake(client):
         await client.handshake(pb.HandshakeRequest(engine_id="D", tp_size=1, layout=layout))
     assert e.value.reason == "MIXED_FAMILY_GROUP"
     assert "mla" in e.value.metadata["families"] and "attention" in e.value.metadata["families"]
+
+
+async def test_allowed_peers_gate_handshake_claim_and_notify():
+    from kvsvc.errors import PermissionDenied
+
+    cfg = load_config(listen="127.0.0.1:0", tp_size=1, engine_id="gated", allowed_peers=("good-d",))
+    running, port = await create_server(cfg)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as c:
+            layout = layout_to_proto(simple_layout(tp_size=1))
+            assert (await c.handshake(pb.HandshakeRequest(engine_id="good-d", tp_size=1, layout=layout))).ranks
+            for call in (
+                c.handshake(pb.HandshakeRequest(engine_id="bad-d", tp_size=1, layout=layout)),
+                c.claim_lease(pb.ClaimLeaseRequest(request_id="r", lease_epoch=running.node.epoch, engine_id="bad-d",
+                                                   tp_size=1)),
+                c.notify(pb.NotifyRequest(request_id="r", kind=pb.NOTIFY_KIND_ABORTED, engine_id="bad-d")),
+            ):
+                with pytest.raises(PermissionDenied) as e:
+                    await call
+                assert e.value.reason == "PEER_NOT_ALLOWED" and e.value.metadata == {"engine_id": "bad-d"}
+    finally:
+        await running.stop(0)
