@@ -43,3 +43,15 @@ def test_client_import_needs_no_torch_or_nixl():
     code = "import sys, kvsvc.client; assert 'torch' not in sys.modules and 'nixl' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_config_loads(tmp_path):
+    from kvsvc.config import MemoryMode, Role, load_config
+
+    text = (ROOT / "README.md").read_text()
+    toml = text.split("### Config")[1].split("```toml")[1].split("```")[0]
+    path = tmp_path / "node.toml"
+    path.write_text(toml)
+    cfg = load_config(path)
+    assert (cfg.engine_id, cfg.role, cfg.tp_size, cfg.memory) == ("prefill-0", Role.PREFILL, 8, MemoryMode.VRAM)
+    assert cfg.layout().groups[0].spec.num_kv_heads == 1  # K = 8 over TP 8
