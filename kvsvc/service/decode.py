@@ -13,7 +13,14 @@ import numpy as np
 from kvsvc.client import AsyncClient
 from kvsvc.codec import bad_field, block_ids_from_proto
 from kvsvc.config import Role
-from kvsvc.errors import DeadlineExceeded, ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
+from kvsvc.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    FailedPrecondition,
+    InvalidArgument,
+    KvsvcError,
+    Unavailable,
+)
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer, PeerCache, RemoteRank, peer_client_options
@@ -168,6 +175,10 @@ class Decoder:
         except BaseException as e:
             # A cancelled or lost claim may have gone through: abort it like any failure.
             await self._fail(peer, p, posted, e)
+            if isinstance(e, KvsvcError) and e.code is ErrorCode.UNAVAILABLE and e.reason == "UNAVAILABLE":
+                raise Unavailable("PEER_UNAVAILABLE", f"prefill server {p.remote_address} stopped answering: "
+                                  f"{e.message}", {"address": p.remote_address},
+                                  details=e.details) from e
             raise
         marks.append(("notify", time.perf_counter()))
         if log.isEnabledFor(logging.DEBUG):

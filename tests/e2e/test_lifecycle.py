@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -81,3 +83,23 @@ async def test_decode_engine_split_over_two_servers():
         for sp in (d1, d0, p):
             sp.stop()
 
+
+
+async def test_prefill_crash_is_peer_unavailable():
+    from kvsvc.errors import Unavailable
+
+    p = start_server(engine_id="crash-p", role="prefill", tp_size=1, layout=LAYOUT)
+    d = start_server(engine_id="crash-d", role="decode", tp_size=1, layout=LAYOUT)
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+            first = await pc.publish_blocks("a", [[1]])
+            await dc.transfer("da", first.params, [[2]])  # handshake cached
+            second = await pc.publish_blocks("b", [[3]])
+            p.kill()
+            with pytest.raises(Unavailable) as e:
+                await dc.transfer("db", second.params, [[4]], timeout_s=30)
+            assert e.value.reason == "PEER_UNAVAILABLE" and e.value.metadata["address"] == p.address
+            assert (await dc.get_info()).engine_id == "crash-d"  # D keeps serving
+    finally:
+        d.stop()
+        p.stop()
