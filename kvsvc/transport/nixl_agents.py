@@ -7,6 +7,7 @@ nowhere else.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import os
@@ -25,6 +26,7 @@ from kvsvc.transport.ucx_probe import enable_protocol_log, read_transports, remo
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def nixl_version() -> str:
     try:
         from importlib.metadata import version
@@ -93,7 +95,6 @@ class NixlDataPlane:
         self._remotes: dict[tuple[int, str], str] = {}
         self._remote_lock = asyncio.Lock()
         self.backends = ["UCX"]
-        self.version = nixl_version()
         self.notifications = 0
         self._ucx_log: Path | None = None
         self._closed = False
