@@ -101,18 +101,24 @@ def trim_prefix(local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int, *, gr
     return remote_ids[prefix * ratio:], prefix
 
 
-def plan_rank(
-    local: Side,
-    remote: Side,
-    local_rank: int,
-    local_block_ids: Sequence[Sequence[int] | np.ndarray],
+@dataclass(frozen=True, slots=True)
+class RequestBlocks:
+    """One request's block ids, checked and paired once for every local rank.
+
+    ids[g] = (local ids, remote ids to read) of group g, sorted by local id where that
+    lets coalescing skip its sort; skipped[g] = local blocks a prefix hit skipped.
+    """
+
+    ids: tuple[tuple[np.ndarray, np.ndarray], ...]
+    skipped: tuple[int, ...]
+    block_ratio: int
+
+
+def prepare_blocks(
+    local: Side, remote: Side, local_block_ids: Sequence[Sequence[int] | np.ndarray],
     remote_block_ids: Sequence[Sequence[int] | np.ndarray],
-    *,
-    validated: bool = False,
-) -> RankPlan:
-    """The reads of local_rank; raises InvalidArgument / FailedPrecondition on bad input."""
-    if not validated:
-        validate_pair(local, remote)
+) -> RequestBlocks:
+    """UNKNOWN_GROUP / BLOCK_OUT_OF_RANGE / DUPLICATE_BLOCK_ID / BLOCK_COUNT_MISMATCH, or the pairing."""
     lay, rlay = local.layout, remote.layout
     ngroups = len(lay.groups)
     for name, given in (("local", local_block_ids), ("remote", remote_block_ids)):
@@ -122,9 +128,6 @@ def plan_rank(
                 f"{name} block ids name {len(given)} groups but the layout has {ngroups}",
                 {"side": name, "given_groups": len(given), "layout_groups": ngroups},
             )
-    ratio = tp_ratio(local.tp_size, remote.tp_size)
-    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size)
-    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types)
     n = lay.block_size // rlay.block_size
     ids: list[tuple[np.ndarray, np.ndarray]] = []
     skipped: list[int] = []
@@ -141,10 +144,37 @@ def plan_rank(
             lids, rids = lids[order], rids[order]
         ids.append((lids, rids))
         skipped.append(prefix)
+    return RequestBlocks(tuple(ids), tuple(skipped), n)
+
+
+def plan_rank(
+    local: Side,
+    remote: Side,
+    local_rank: int,
+    local_block_ids: Sequence[Sequence[int] | np.ndarray] = (),
+    remote_block_ids: Sequence[Sequence[int] | np.ndarray] = (),
+    *,
+    validated: bool = False,
+    blocks: RequestBlocks | None = None,
+) -> RankPlan:
+    """The reads of local_rank; raises InvalidArgument / FailedPrecondition on bad input.
+
+    Pass blocks (from prepare_blocks) to plan several ranks of one request without
+    checking its block ids again.
+    """
+    if not validated:
+        validate_pair(local, remote)
+    if blocks is None:
+        blocks = prepare_blocks(local, remote, local_block_ids, remote_block_ids)
+    lay = local.layout
+    ratio = tp_ratio(local.tp_size, remote.tp_size)
+    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size)
+    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types)
+    n = blocks.block_ratio
     per_rank: dict[int, list] = {}
     for a, b in zip(local.pool.regions, remote.pool.regions, strict=True):
         g = a.group_index
-        lids, rids = ids[g]
+        lids, rids = blocks.ids[g]
         if lids.size == 0:
             continue
         sources = mapping.source_ranks_per_group[g]
@@ -156,4 +186,4 @@ def plan_rank(
             per_rank.setdefault(r, []).append(u)
     reads = tuple(coalesce(r, per_rank[r], ordered=n == 1) for r in sorted(per_rank))
     targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size))
-    return RankPlan(local_rank, ratio, targets, mapping, reads, tuple(skipped))
+    return RankPlan(local_rank, ratio, targets, mapping, reads, blocks.skipped)

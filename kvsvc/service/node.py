@@ -13,7 +13,7 @@ from kvsvc.config import MemoryMode, Role, ServerConfig
 from kvsvc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.table import LeaseTable
-from kvsvc.mapping.planner import RankPlan, Side, plan_rank, validate_pair
+from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
 from kvsvc.memory.pools import CudaPool, ExternalPool, Pool, ShmPool, shm_name_for
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -135,7 +135,8 @@ class Node:
              ranks: Sequence[int], validated: bool = False) -> list[RankPlan]:
         if not validated:
             validate_pair(self.side, remote)
-        return [plan_rank(self.side, remote, r, local_ids, remote_ids, validated=True) for r in ranks]
+        blocks = prepare_blocks(self.side, remote, local_ids, remote_ids)  # once for every rank
+        return [plan_rank(self.side, remote, r, validated=True, blocks=blocks) for r in ranks]
 
     def plan_response(self, plans: Sequence[RankPlan], summary_only: bool) -> pb.PlanTransferResponse:
         msg = pb.PlanTransferResponse(
