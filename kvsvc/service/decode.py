@@ -212,14 +212,18 @@ class Decoder:
                 return  # released meanwhile: the final notify will say so
             lease.renew(resp.lease_remaining_ms)
 
+    def _aborted(self, p: pb.TransferParams) -> pb.NotifyRequest:
+        """ABORTED for the lease behind p, keyed by the P-side request id."""
+        return pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
+                                engine_id=self.node.config.engine_id, tp_size=self.node.config.tp_size,
+                                lease_epoch=p.remote_epoch)
+
     async def _abort_unpaired(self, p: pb.TransferParams) -> None:
         """Best-effort ABORTED to a P we could not pair with (its lease would otherwise wait out its TTL)."""
         try:
             opts = dataclasses.replace(peer_client_options(self.node), timeout_s=2.0, retries=0)
             async with AsyncClient(p.remote_address, opts) as client:
-                await client.notify(pb.NotifyRequest(
-                    request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED, engine_id=self.node.config.engine_id,
-                    tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch))
+                await client.notify(self._aborted(p))
         except KvsvcError:
             log.warning("could not tell %s that %s was refused", p.remote_address, p.remote_request_id)
 
@@ -235,9 +239,7 @@ class Decoder:
         already_released = isinstance(err, KvsvcError) and err.reason == "LEASE_EXPIRED"
         if not already_released:
             try:
-                await asyncio.shield(peer.client.notify(pb.NotifyRequest(
-                    request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED, engine_id=self.node.config.engine_id,
-                    tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch), timeout_s=2.0))
+                await asyncio.shield(peer.client.notify(self._aborted(p), timeout_s=2.0))
                 notified = True
             except (KvsvcError, asyncio.CancelledError):
                 log.warning("could not tell %s that %s was aborted", peer.address, p.remote_request_id)
