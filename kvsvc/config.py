@@ -56,7 +56,10 @@ class ServerConfig:
     memory: MemoryMode = MemoryMode.DRAM
     """Where the KV pools live."""
     cuda_device: int = 0
-    """CUDA device of VRAM pools."""
+    """CUDA device of the first hosted rank's VRAM pool (see cuda_devices)."""
+    cuda_devices: tuple[int, ...] = ()
+    """CUDA device of each hosted rank's VRAM pool, in the order of ranks (empty: hosted
+    rank i of this server goes to device cuda_device + i, one GPU per rank)."""
     advertised_address: str = ""
     """Address peers should dial (defaults to the bound address)."""
     lease_ttl_s: float = 30.0
@@ -65,13 +68,22 @@ class ServerConfig:
     """Largest lease lifetime a publisher may ask for, seconds."""
     shutdown_grace_s: float = 5.0
     """How long in-flight RPCs may finish after SIGTERM, seconds."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long a prefill server waits for claimed leases (D may be reading)
+    to be consumed or aborted before it stops, seconds. New publishes are refused meanwhile."""
+    max_live_leases: int = 65_536
+    """Most leases a prefill server keeps at once; PublishBlocks beyond is RESOURCE_EXHAUSTED."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
     """Deadline of server-to-server RPCs (handshake, claim, notify), seconds."""
     allowed_peers: tuple[str, ...] = ()
-    """Engine ids allowed to handshake, claim and notify (empty: any). With mutual TLS the
-    engine id must also be the peer certificate's common name or a DNS name in it."""
+    """Engine ids this server exchanges KV with (empty: any): on P, who may handshake, claim
+    and notify; on D, which P engines a Transfer may read from. With mutual TLS the engine
+    id must also be the peer certificate's common name or a DNS name in it."""
+    allowed_engines: tuple[str, ...] = ()
+    """Under mutual TLS: certificate names that may act as this server's engine (publish,
+    watch releases, transfer, see pools). Empty: this server's own engine_id."""
     tls_cert_file: str = ""
     """PEM certificate chain of this server; with tls_key_file, the port serves TLS only."""
     tls_key_file: str = ""
@@ -81,6 +93,11 @@ class ServerConfig:
     peer_tls_ca_file: str = ""
     """PEM roots to verify peer servers with; set: peers are dialed over TLS (presenting this
     server's certificate when it has one)."""
+
+    def device_of(self, rank: int) -> int:
+        """The CUDA device of hosted rank `rank`'s VRAM pool."""
+        i = self.ranks.index(rank)
+        return self.cuda_devices[i] if self.cuda_devices else self.cuda_device + i
 
     def layout(self) -> EngineLayout:
         return layout_from_dict(self.layout_table, self.tp_size)
@@ -97,10 +114,19 @@ class ServerConfig:
             raise InvalidArgument("INVALID_CONFIG", "tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise InvalidArgument("INVALID_CONFIG", "tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.cuda_devices and len(self.cuda_devices) != len(self.ranks):
+            raise InvalidArgument("INVALID_CONFIG", f"cuda_devices names {len(self.cuda_devices)} devices for "
+                                  f"{len(self.ranks)} hosted ranks")
+        if self.max_live_leases <= 0 or self.drain_timeout_s < 0:
+            raise InvalidArgument("INVALID_CONFIG", "max_live_leases must be positive and drain_timeout_s >= 0")
         self.layout()
 
     def with_overrides(self, **kw: Any) -> ServerConfig:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+# The [server] keys a config file may set: the ServerConfig fields except the layout.
+_SERVER_KEYS = frozenset(f for f in ServerConfig.__dataclass_fields__ if f != "layout_table")
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
@@ -110,25 +136,34 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
         with open(path, "rb") as f:
             doc = tomllib.load(f)
         srv = dict(doc.get("server", {}))
+        unknown = sorted(set(doc) - {"server", "layout"}) + sorted(f"server.{k}" for k in set(srv) - _SERVER_KEYS)
+        if unknown:
+            raise InvalidArgument("INVALID_CONFIG", f"{path}: unknown keys {unknown}; the [server] keys are "
+                                  f"{sorted(_SERVER_KEYS)}", {"unknown": ",".join(unknown)})
         kw: dict[str, Any] = {}
         for key in ("listen", "engine_id", "advertised_address", "tls_cert_file", "tls_key_file",
                     "tls_client_ca_file", "peer_tls_ca_file"):
             if key in srv:
                 kw[key] = str(srv[key])
-        for key in ("tp_size", "cuda_device", "max_message_bytes"):
+        for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases"):
             if key in srv:
                 kw[key] = int(srv[key])
-        for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s"):
+        for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):
             if key in srv:
                 kw[key] = float(srv[key])
-        if "role" in srv:
-            kw["role"] = Role(srv["role"])
-        if "memory" in srv:
-            kw["memory"] = MemoryMode(srv["memory"])
-        if "ranks" in srv:
-            kw["ranks"] = tuple(int(r) for r in srv["ranks"])
-        if "allowed_peers" in srv:
-            kw["allowed_peers"] = tuple(str(p) for p in srv["allowed_peers"])
+        try:
+            if "role" in srv:
+                kw["role"] = Role(srv["role"])
+            if "memory" in srv:
+                kw["memory"] = MemoryMode(srv["memory"])
+            for key in ("ranks", "cuda_devices"):
+                if key in srv:
+                    kw[key] = tuple(int(r) for r in srv[key])
+            for key in ("allowed_peers", "allowed_engines"):
+                if key in srv:
+                    kw[key] = tuple(str(p) for p in srv[key])
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument("INVALID_CONFIG", f"{path}: {e}") from e
         if "layout" in doc:
             kw["layout_table"] = doc["layout"]
         cfg = replace(cfg, **kw)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvsvc.client.errors import error_from_rpc
+from kvsvc.client.errors import error_from_rpc, is_transport_unavailable
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -24,7 +24,9 @@ class ClientOptions:
     timeout_s: float = 30.0
     """Default deadline of one call, seconds."""
     retries: int = 3
-    """Extra attempts on UNAVAILABLE (never on other codes: those are answers)."""
+    """Extra attempts of idempotent calls when the server could not be reached (UNAVAILABLE
+    without a kvsvc reason). Never on other codes or on the server's own answers; never for
+    PublishBlocks (a lost answer would make the retry a second publish)."""
     backoff_s: float = 0.05
     """First retry delay, seconds; doubles each attempt, with jitter."""
     keepalive_time_ms: int = 30_000
@@ -37,14 +39,20 @@ class ClientOptions:
     """PEM client certificate for mTLS."""
     tls_client_key: bytes | None = None
     """PEM client key for mTLS."""
+    tls_server_name: str | None = None
+    """Name the server's certificate must carry instead of the dialled host (kvsvc servers
+    dial peers with the peer's engine id here)."""
 
-    def channel_options(self) -> list[tuple[str, int]]:
-        return [
+    def channel_options(self) -> list[tuple[str, int | str]]:
+        opts: list[tuple[str, int | str]] = [
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]
+        if self.tls_server_name and self.tls_root_certs is not None:
+            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return opts
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if self.tls_root_certs is None:
@@ -98,14 +106,17 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _call(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None) -> Any:
+    async def _call(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None,
+                    idempotent: bool = True) -> Any:
         delay = self.options.backoff_s
-        for attempt in range(self.options.retries + 1):
+        attempts = self.options.retries + 1 if idempotent else 1
+        for attempt in range(attempts):
             try:
                 return await rpc(request, timeout=timeout_s or self.options.timeout_s)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.options.retries:
-                    raise error_from_rpc(e) from None
+                err = error_from_rpc(e)
+                if not is_transport_unavailable(err) or attempt == attempts - 1:
+                    raise err from None
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay *= 2
         raise AssertionError("unreachable")
@@ -122,7 +133,7 @@ class AsyncClient:
     ) -> pb.PublishBlocksResponse:
         req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=_blocks(block_ids_per_group),
                                       lease_ttl_ms=lease_ttl_ms)
-        return await self._call(self._stub.PublishBlocks, req, timeout_s)  # type: ignore[no-any-return]
+        return await self._call(self._stub.PublishBlocks, req, timeout_s, idempotent=False)  # type: ignore[no-any-return]
 
     async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None) -> pb.ClaimLeaseResponse:
         return await self._call(self._stub.ClaimLease, request, timeout_s)  # type: ignore[no-any-return]
@@ -140,6 +151,18 @@ class AsyncClient:
 
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
         return await self._call(self._stub.Notify, request, timeout_s)  # type: ignore[no-any-return]
+
+    async def wait_transfer(self, request_id: str, *, wait_ms: int = 30_000,
+                            timeout_s: float | None = None) -> pb.WaitTransferResponse:
+        """The settled state of the D-side transfer request_id, waiting up to wait_ms for it.
+
+        Call it after a Transfer that failed without a TransferFailure detail (cancelled,
+        deadline passed in the network, connection lost) before reusing its local blocks:
+        any state but RUNNING means nothing writes into them any more.
+        """
+        req = pb.WaitTransferRequest(request_id=request_id, wait_ms=wait_ms)
+        timeout = timeout_s or max(self.options.timeout_s, wait_ms / 1000 + 5.0)
+        return await self._call(self._stub.WaitTransfer, req, timeout)  # type: ignore[no-any-return]
 
     async def open_release_stream(self) -> ReleaseStream:
         """Subscribe to WatchReleases; returns once the server has registered the subscription."""
@@ -202,6 +225,9 @@ class Client:
 
     def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
         return self._runner.run(self._async.notify(request, **kw))
+
+    def wait_transfer(self, request_id: str, **kw: Any) -> pb.WaitTransferResponse:
+        return self._runner.run(self._async.wait_transfer(request_id, **kw))
 
     def watch_releases(self, max_events: int, timeout_s: float) -> list[pb.WatchReleasesResponse]:
         """Collect up to max_events releases, waiting at most timeout_s seconds."""

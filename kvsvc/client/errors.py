@@ -32,12 +32,24 @@ _BY_CODE: dict[grpc.StatusCode, type[KvsvcError]] = {
 }
 
 
+def is_transport_unavailable(err: KvsvcError) -> bool:
+    """UNAVAILABLE from the channel itself (no kvsvc reason): the server was not reached.
+
+    A server's own UNAVAILABLE answers (PEER_UNAVAILABLE, DATA_PLANE_UNAVAILABLE, ...)
+    carry a reason and are answers, not grounds for a retry.
+    """
+    return err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
+
+
 def error_from_rpc(err: grpc.RpcError) -> KvsvcError:
     """The KvsvcError for a failed call, with ErrorInfo reason/metadata and extra details."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     reason, metadata, violations, details = code.name, {}, [], []
     message = err.details() if hasattr(err, "details") else str(err)
-    status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None  # type: ignore[arg-type]
+    try:
+        status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None  # type: ignore[arg-type]
+    except ValueError:  # a status whose message and details disagree: keep the plain code and message
+        status = None
     if status is not None:
         message = status.message
         for any_msg in status.details:

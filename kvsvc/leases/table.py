@@ -13,12 +13,13 @@ import asyncio
 import enum
 import heapq
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.mapping.release import ReleaseTracker
 from kvsvc.mapping.topology import tp_ratio
 
@@ -39,19 +40,48 @@ class LeaseState(enum.Enum):
         return self in (LeaseState.CONSUMED, LeaseState.EXPIRED, LeaseState.ABORTED)
 
 
+class NotifyKind(enum.Enum):
+    CONSUMED = "consumed"
+    ABORTED = "aborted"
+    HEARTBEAT = "heartbeat"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One claimant of a lease: its secret id and the D ranks it reads and notifies for."""
+
+    claim_id: str
+    d_ranks: frozenset[int]
+
+
 @dataclass
 class Lease:
-    """One published request. Times are time.monotonic() seconds unless named _unix."""
+    """One published request. Times are time.monotonic() seconds unless named _unix.
+
+    token is the secret handed out in TransferParams; claims maps claim_id to the claim.
+    Several claims may hold one lease only when they come from one D engine and cover
+    disjoint D ranks (a D engine whose ranks sit on several servers).
+    """
 
     request_id: str
     block_ids: list[list[int]]
     epoch: int
     expires_at: float
+    token: str
     state: LeaseState = LeaseState.OFFERED
     d_engine_id: str = ""
     d_tp_size: int = 0
     tracker: ReleaseTracker | None = None
+    claims: dict[str, Claim] = field(default_factory=dict)
     released_unix_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What stays of a released lease: enough to answer late claims and notifications."""
+
+    state: LeaseState
+    released_unix_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +102,10 @@ def monotonic_to_unix_ms(t: float) -> int:
     return _unix_ms() + int((t - time.monotonic()) * 1000)
 
 
+def new_lease_token() -> str:
+    return secrets.token_hex(16)
+
+
 @dataclass
 class LeaseTable:
     """Leases of one P server; hosted_ranks and tp_size are this engine's."""
@@ -82,12 +116,16 @@ class LeaseTable:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
     on_claim_change: Callable[[int], None] = lambda delta: None
+    max_live: int = 65_536
     _live: dict[str, Lease] = field(default_factory=dict)
-    _dead: OrderedDict[str, Lease] = field(default_factory=OrderedDict)
+    _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
     _heap: list[tuple[float, str]] = field(default_factory=list)
     _watchers: set[asyncio.Queue[Release]] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _reaper: asyncio.Task[None] | None = None
+    _claimed: int = 0
+    _no_claims: asyncio.Event = field(default_factory=asyncio.Event)
+    accepting: bool = True
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -106,71 +144,141 @@ class LeaseTable:
         for w in list(self._watchers):
             w.put_nowait(_END)
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking publishes and wait (at most timeout_s) until no lease is claimed.
+
+        Claimed leases may have READs in flight from D; unclaimed ones are left to their
+        fate (D's claim will fail cleanly once the server is gone). Returns the number of
+        leases still claimed when it gave up.
+        """
+        self.accepting = False
+        if self._claimed:
+            try:
+                await asyncio.wait_for(self._no_claims.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("%d leases still claimed after %.1f s of draining", self._claimed, timeout_s)
+        return self._claimed
+
     # ---- operations -----------------------------------------------------------------
 
     def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None) -> Lease:
         if not request_id:
             raise InvalidArgument("MISSING_FIELD", "request_id must be set", {"field": "request_id"})
+        if not self.accepting:
+            raise Unavailable("SHUTTING_DOWN", "this server is shutting down and takes no new leases")
         if request_id in self._live:
             raise KvsvcError("LEASE_EXISTS", f"request {request_id!r} is already published and not yet released",
                              {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)
+        if len(self._live) >= self.max_live:
+            raise KvsvcError("TOO_MANY_LEASES", f"{len(self._live)} leases are live, the most this server keeps; "
+                             "wait for releases", {"live_leases": len(self._live), "max_live_leases": self.max_live},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
         ttl = self.default_ttl_s if not ttl_s else ttl_s
         if ttl > self.max_ttl_s:
             raise InvalidArgument("LEASE_TTL_TOO_LONG", f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
                                   f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
                                                                     "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
         self._dead.pop(request_id, None)
-        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl)
+        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl, new_lease_token())
         self._live[request_id] = lease
         self._schedule(lease)
         return lease
 
-    def claim(self, request_id: str, epoch: int, d_engine_id: str, d_tp_size: int, extend_s: float | None) -> Lease:
+    def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
+              d_ranks: Sequence[int] = (), extend_s: float | None = None) -> Lease:
+        """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
+
+        A lease has one owner per D rank: another claim_id for overlapping ranks, or any
+        claim from another D engine, is refused with LEASE_CLAIMED.
+        """
         lease = self._live_lease(request_id, epoch)
+        if not secrets.compare_digest(token.encode(), lease.token.encode()):
+            raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request {request_id!r}"
+                                   "'s lease: copy TransferParams as PublishBlocks returned them",
+                                   {"request_id": request_id})
         tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
+        ranks = frozenset(d_ranks) if d_ranks else frozenset(range(d_tp_size))
+        bad = sorted(r for r in ranks if not 0 <= r < d_tp_size)
+        if bad:
+            raise InvalidArgument("RANK_OUT_OF_RANGE", f"ranks {bad[:8]} are outside the D TP size {d_tp_size}",
+                                  {"ranks": ",".join(map(str, bad[:8])), "tp_size": d_tp_size})
         if lease.state is LeaseState.CLAIMED and (lease.d_engine_id, lease.d_tp_size) != (d_engine_id, d_tp_size):
             raise FailedPrecondition("LEASE_CLAIMED", f"request {request_id!r} is claimed by engine "
                                      f"{lease.d_engine_id!r} (TP {lease.d_tp_size})",
                                      {"request_id": request_id, "claimed_by": lease.d_engine_id})
+        held = lease.claims.get(claim_id)
+        if held is not None:
+            if held.d_ranks != ranks:
+                raise InvalidArgument("CLAIM_CONFLICT", f"claim {claim_id[:8]}... was made for other ranks",
+                                      {"request_id": request_id})
+        else:
+            taken = sorted(set().union(*(c.d_ranks & ranks for c in lease.claims.values())))
+            if taken:
+                raise FailedPrecondition("LEASE_CLAIMED", f"D ranks {taken[:8]} of request {request_id!r} are "
+                                         "claimed by another transfer", {"request_id": request_id,
+                                                                         "ranks": ",".join(map(str, taken[:8]))})
+            lease.claims[claim_id] = Claim(claim_id, ranks)
         if lease.state is LeaseState.OFFERED:
             lease.state = LeaseState.CLAIMED
             lease.d_engine_id, lease.d_tp_size = d_engine_id, d_tp_size
             lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size)
+            self._claimed += 1
+            self._no_claims.clear()
             self.on_claim_change(+1)
         self._extend(lease, extend_s)
         return lease
 
-    def notify(self, request_id: str, kind: str, d_ranks: Sequence[int], epoch: int,
-               d_tp_size: int = 0) -> tuple[LeaseState | None, list[int]]:
-        """Apply a notification; (state after, D ranks still pending). Idempotent."""
-        if epoch and epoch != self.epoch:
+    def notify(self, request_id: str, kind: NotifyKind, d_ranks: Sequence[int], epoch: int, *,
+               token: str = "", claim_id: str = "") -> tuple[LeaseState | None, list[int]]:
+        """Apply a notification; (state after, D ranks still pending). Idempotent.
+
+        A claimed lease hears only from its owners (claim_id), and CONSUMED only for the
+        owner's ranks; an unclaimed lease may be aborted or heartbeated by whoever holds
+        its token. A released or unknown lease answers its final state and changes nothing.
+        """
+        if epoch != self.epoch:
             return LeaseState.EXPIRED, []
         lease = self._live.get(request_id)
         if lease is None:
             dead = self._dead.get(request_id)
             return (dead.state if dead else None), []
-        if kind == "heartbeat":
+        claim = lease.claims.get(claim_id) if claim_id else None
+        if claim is None:
+            self._check_unclaimed_access(lease, kind, token)
+        if kind is NotifyKind.HEARTBEAT:
             self._extend(lease, None)
             return lease.state, lease.tracker.pending_d_ranks if lease.tracker else []
-        if kind == "aborted":
+        if kind is NotifyKind.ABORTED:
             self._release(lease, LeaseState.ABORTED)
             return lease.state, []
-        if lease.tracker is None:  # consumed without a claim: account against the sender's TP
-            if not d_tp_size:
-                raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {request_id!r} was never claimed; send tp_size",
-                                         {"request_id": request_id})
-            lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size)
-        bad = [r for r in d_ranks if not 0 <= r < (lease.d_tp_size or d_tp_size)]
+        assert claim is not None and lease.tracker is not None  # CONSUMED needs a claim (checked above)
+        bad = sorted(set(d_ranks) - claim.d_ranks)
         if bad:
-            raise InvalidArgument("RANK_OUT_OF_RANGE", f"done_ranks {bad} are outside the D TP size",
-                                  {"ranks": ",".join(map(str, bad))})
+            raise InvalidArgument("RANK_NOT_CLAIMED", f"done_ranks {bad[:8]} are not ranks this claim holds",
+                                  {"ranks": ",".join(map(str, bad[:8]))})
         lease.tracker.notify(d_ranks)
         if lease.tracker.done:
             self._release(lease, LeaseState.CONSUMED)
         return lease.state, lease.tracker.pending_d_ranks
 
+    def _check_unclaimed_access(self, lease: Lease, kind: NotifyKind, token: str) -> None:
+        if lease.claims:
+            raise PermissionDenied("LEASE_NOT_OWNER", f"request {lease.request_id!r} is claimed; only its claimant "
+                                   "(claim_id) may notify", {"request_id": lease.request_id})
+        if kind is NotifyKind.CONSUMED:
+            raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {lease.request_id!r} was never claimed: claim "
+                                     "it before reading", {"request_id": lease.request_id})
+        if not secrets.compare_digest(token.encode(), lease.token.encode()):
+            raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request "
+                                   f"{lease.request_id!r}'s lease", {"request_id": lease.request_id})
+
     def get(self, request_id: str) -> Lease | None:
-        return self._live.get(request_id) or self._dead.get(request_id)
+        """The live lease of request_id, if any."""
+        return self._live.get(request_id)
+
+    @property
+    def claimed_count(self) -> int:
+        return self._claimed
 
     @property
     def live_count(self) -> int:
@@ -213,11 +321,16 @@ class LeaseTable:
         if lease.state.released:
             return
         if lease.state is LeaseState.CLAIMED:
+            self._claimed -= 1
+            if not self._claimed:
+                self._no_claims.set()
             self.on_claim_change(-1)
         lease.state = reason
         lease.released_unix_ms = _unix_ms()
         self._live.pop(lease.request_id, None)
-        self._dead[lease.request_id] = lease
+        # A tombstone keeps the final state only: block lists of released leases would
+        # otherwise pile up (a 100k-entry history of long requests is gigabytes).
+        self._dead[lease.request_id] = Tombstone(reason, lease.released_unix_ms)
         while len(self._dead) > TOMBSTONES_MAX:
             self._dead.popitem(last=False)
         ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,19 +22,33 @@ from kvsvc.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvsvcError,
+    PermissionDenied,
     Unavailable,
 )
+from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_WAIT_MS, check_block_lists, check_id, check_tp_size, clip, too_big
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer, PeerCache, RemoteRank, peer_client_options
+from kvsvc.service.transfers import TransferJobs, fingerprint
 from kvsvc.transport.nixl_thread import InFlight
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# How long a cancelled or failed transfer waits for posted READs to settle before it
-# answers: D's blocks must not be written after the caller was told they are invalid.
-DRAIN_TIMEOUT_S = 10.0
+# A failed transfer cancels its READs and waits for every one to end before it answers
+# (D's blocks must not be written after the caller was told they are invalid); past
+# this long it says so in the log and keeps waiting.
+DRAIN_WARN_S = 10.0
+
+# A Transfer's job stops at the caller's deadline less a margin (a tenth of the time,
+# within these bounds), so the answer -- with TransferFailure, after the READs settled --
+# reaches the caller in time.
+DEADLINE_MARGIN = 0.1
+MIN_DEADLINE_MARGIN_S = 0.05
+MAX_DEADLINE_MARGIN_S = 1.0
+DEADLINE_MARGIN_FLOOR_S = MIN_DEADLINE_MARGIN_S
+# A Transfer called without a deadline still ends.
+NO_DEADLINE_S = 600.0
 
 
 # Claim outcomes that leave P's lease state unknown (the claim may have been granted).
@@ -93,49 +110,121 @@ def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[RemoteRank,
     return out
 
 
+def _deadline(time_remaining_s: float | None) -> float:
+    """The job's own deadline (monotonic): the caller's, less a margin to answer in."""
+    if time_remaining_s is None:
+        return time.monotonic() + NO_DEADLINE_S
+    margin = min(MAX_DEADLINE_MARGIN_S, max(MIN_DEADLINE_MARGIN_S, DEADLINE_MARGIN * time_remaining_s))
+    return time.monotonic() + max(0.0, time_remaining_s - margin)
+
+
+def _check_request(req: pb.TransferRequest) -> None:
+    """Field checks and limits, before any work or any record is made."""
+    p = req.params
+    if not req.request_id:
+        raise bad_field("request_id", "must be set (the D-side request id; WaitTransfer asks by it)", "MISSING_FIELD")
+    check_id(req.request_id, "request_id")
+    for name in ("remote_address", "remote_request_id"):
+        if not getattr(p, name):
+            raise bad_field(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+    if p.remote_epoch == 0:
+        raise bad_field("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+    check_id(p.remote_address, "params.remote_address", MAX_ADDRESS_BYTES)
+    for name in ("remote_engine_id", "remote_request_id", "lease_token"):
+        check_id(getattr(p, name), f"params.{name}")
+    check_tp_size(p.remote_tp_size, "params.remote_tp_size")
+    check_block_lists([g.block_ids for g in p.remote_block_ids_per_group], "params.remote_block_ids_per_group")
+    check_block_lists([g.block_ids for g in req.local_block_ids_per_group], "local_block_ids_per_group")
+
+
 class Decoder:
-    """Runs Transfer RPCs for the D ranks this server hosts."""
+    """Runs Transfer RPCs for the D ranks this server hosts, as jobs (see transfers.py)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.peers = PeerCache(node)
+        self.jobs = TransferJobs()
+        self._background: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        await self.jobs.close()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self.peers.close()
 
     async def transfer(self, req: pb.TransferRequest, time_remaining_s: float | None) -> pb.TransferResponse:
+        """Start (or join) the job for req.request_id and await it.
+
+        A caller that goes away cancels the job unless another caller (a retry) still
+        waits for it; the job then settles its READs and tells P to let go.
+        """
         node = self.node
         node.require_role(Role.DECODE, "Transfer")
-        data = node.require_data_plane("Transfer")
-        started = time.perf_counter()
-        p = req.params
-        for name in ("remote_address", "remote_request_id"):
-            if not getattr(p, name):
-                raise bad_field(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
-        if p.remote_epoch == 0:
-            raise bad_field("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
-        local_ids = block_ids_from_proto(req.local_block_ids_per_group)
-        remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
+        node.require_data_plane("Transfer")
+        _check_request(req)
+        allowed = node.config.allowed_peers
+        if allowed and req.params.remote_engine_id not in allowed:
+            raise PermissionDenied("PEER_NOT_ALLOWED", f"this server may not read from engine "
+                                   f"{clip(req.params.remote_engine_id, 64)!r} (not in allowed_peers)",
+                                   {"engine_id": req.params.remote_engine_id})
+        deadline = _deadline(time_remaining_s)
+        job = self.jobs.start_or_join(req.request_id, fingerprint(req), lambda: self._run(req, deadline))
+        assert job.task is not None
+        job.waiters += 1
         try:
-            peer = await self.peers.get(p.remote_address, p.remote_engine_id, p.remote_epoch)
+            return await asyncio.shield(job.task)
+        finally:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.task.done():
+                job.task.cancel()  # nobody waits for it any more: abort, settle, free P's lease
+
+    async def wait(self, req: pb.WaitTransferRequest) -> pb.WaitTransferResponse:
+        node = self.node
+        node.require_role(Role.DECODE, "WaitTransfer")
+        if not req.request_id:
+            raise bad_field("request_id", "must be set (the D-side request id given to Transfer)", "MISSING_FIELD")
+        check_id(req.request_id, "request_id")
+        if req.wait_ms > MAX_WAIT_MS:
+            raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
+        return await self.jobs.wait(req.request_id, req.wait_ms / 1000)
+
+    async def _run(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
+        p = req.params
+        paired = False
+        try:
+            async with self.peers.use(p.remote_address, p.remote_engine_id, p.remote_epoch) as peer:
+                paired = True
+                return await self._transfer(req, peer, deadline)
         except FailedPrecondition as e:
-            if e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE"):  # refused pair: free P's blocks now
-                await self._abort_unpaired(p)
+            if not paired and e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE"):
+                self._spawn(self._abort_unpaired(p))  # refused pair: free P's blocks now
             raise
+
+    async def _transfer(self, req: pb.TransferRequest, peer: Peer, deadline: float) -> pb.TransferResponse:
+        node, data, p = self.node, self.node.require_data_plane("Transfer"), req.params
+        started = time.perf_counter()
         if p.remote_tp_size and p.remote_tp_size != peer.tp_size:
             raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but {p.remote_address} "
                                   f"runs TP {peer.tp_size}", {"params_tp_size": p.remote_tp_size,
                                                               "remote_tp_size": peer.tp_size})
-        plans = node.plan(peer.side, local_ids, remote_ids, node.hosted_ranks, validated=True)
-        reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, peer, plan)]
+        local_ids = block_ids_from_proto(req.local_block_ids_per_group)
+        remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
+        try:
+            plans = node.plan(peer.side, local_ids, remote_ids, node.hosted_ranks, validated=True)
+            reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, peer, plan)]
+        except (InvalidArgument, FailedPrecondition):
+            self._spawn(self._abort_unpaired(p))  # blocks that cannot be read: free P's now, not at TTL
+            raise
         marks = [("plan", time.perf_counter())]
+        own = _Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16))
 
         posted: list[Posted] = []
         try:
             try:
                 claim = await peer.client.claim_lease(pb.ClaimLeaseRequest(
-                    request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id=node.config.engine_id,
-                    tp_size=node.config.tp_size))
+                    request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id=own.engine_id,
+                    tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id,
+                    ranks=list(node.hosted_ranks)), timeout_s=self._rpc_timeout(deadline))
             except KvsvcError as e:
                 if e.code not in UNKNOWN_OUTCOME:
                     raise ClaimRefused(e) from e  # P answered no: nothing of ours to abort
@@ -148,12 +237,9 @@ class Decoder:
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
             waits = asyncio.gather(*(x.flight.result for x in posted))
-            keeper = asyncio.ensure_future(self._heartbeat(peer, p, lease))
+            keeper = asyncio.ensure_future(self._heartbeat(peer, own, lease))
             try:
-                if time_remaining_s is None:
-                    await waits
-                else:
-                    await asyncio.wait_for(waits, max(0.0, time_remaining_s - (time.perf_counter() - started)))
+                await asyncio.wait_for(waits, max(0.0, deadline - time.monotonic()))
             except TimeoutError as e:
                 raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
                                        {"request_id": req.request_id}) from e
@@ -163,9 +249,10 @@ class Decoder:
             if lease.expired:
                 raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                          {"request_id": p.remote_request_id})
-            resp = await peer.client.notify(pb.NotifyRequest(
-                request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_CONSUMED, engine_id=node.config.engine_id,
-                tp_size=node.config.tp_size, done_ranks=list(node.hosted_ranks), lease_epoch=p.remote_epoch))
+            # The lease was held by this claim from claim to here iff P still knows the claim:
+            # P frees blocks only on release, and only this claim_id can release them early.
+            resp = await peer.client.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, list(node.hosted_ranks)),
+                                            timeout_s=self._rpc_timeout(deadline))
             if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
                 raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server released the blocks "
                                          f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
@@ -174,12 +261,10 @@ class Decoder:
             raise e.error from None
         except BaseException as e:
             # A cancelled or lost claim may have gone through: abort it like any failure.
-            await self._fail(peer, p, posted, e)
-            if isinstance(e, KvsvcError) and e.code is ErrorCode.UNAVAILABLE and e.reason == "UNAVAILABLE":
-                raise Unavailable("PEER_UNAVAILABLE", f"prefill server {p.remote_address} stopped answering: "
-                                  f"{e.message}", {"address": p.remote_address},
-                                  details=e.details) from e
-            raise
+            final = await self._fail(peer, own, posted, e, deadline)
+            if final is e:
+                raise
+            raise final from e
         marks.append(("notify", time.perf_counter()))
         if log.isEnabledFor(logging.DEBUG):
             prev, phases = started, []
@@ -197,55 +282,97 @@ class Decoder:
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
                                    duration_us=int((time.perf_counter() - started) * 1e6))
 
-    async def _heartbeat(self, peer: Peer, p: pb.TransferParams, lease: LeaseClock) -> None:
+    def _rpc_timeout(self, deadline: float) -> float:
+        """A peer RPC's timeout: the configured one, but never past the job's deadline."""
+        return max(0.05, min(self.node.config.peer_timeout_s, deadline - time.monotonic()))
+
+    async def _heartbeat(self, peer: Peer, own: _Ownership, lease: LeaseClock) -> None:
         """Keep P's lease alive while long reads run: HEARTBEAT at a third of the time left."""
         while True:
             await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, lease.remaining_s / 3))
             try:
-                resp = await peer.client.notify(pb.NotifyRequest(
-                    request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_HEARTBEAT, engine_id=self.node.config.engine_id,
-                    tp_size=self.node.config.tp_size, lease_epoch=p.remote_epoch))
+                resp = await peer.client.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT))
             except KvsvcError:
-                log.warning("heartbeat for %s failed", p.remote_request_id)
+                log.warning("heartbeat for %s failed", own.params.remote_request_id)
                 continue
             if resp.state not in (pb.LEASE_STATE_CLAIMED, pb.LEASE_STATE_OFFERED):
                 return  # released meanwhile: the final notify will say so
             lease.renew(resp.lease_remaining_ms)
 
-    def _aborted(self, p: pb.TransferParams) -> pb.NotifyRequest:
-        """ABORTED for the lease behind p, keyed by the P-side request id."""
-        return pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
-                                engine_id=self.node.config.engine_id, tp_size=self.node.config.tp_size,
-                                lease_epoch=p.remote_epoch)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort_unpaired(self, p: pb.TransferParams) -> None:
         """Best-effort ABORTED to a P we could not pair with (its lease would otherwise wait out its TTL)."""
+        req = pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
+                               engine_id=self.node.config.engine_id, tp_size=self.node.config.tp_size,
+                               lease_epoch=p.remote_epoch, lease_token=p.lease_token)
         try:
-            opts = dataclasses.replace(peer_client_options(self.node), timeout_s=2.0, retries=0)
+            opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0, retries=0)
             async with AsyncClient(p.remote_address, opts) as client:
-                await client.notify(self._aborted(p))
+                await client.notify(req)
         except KvsvcError:
             log.warning("could not tell %s that %s was refused", p.remote_address, p.remote_request_id)
 
-    async def _fail(self, peer: Peer, p: pb.TransferParams, posted: list[Posted], err: BaseException) -> None:
-        """Let posted READs settle, tell P to let go, and attach which blocks are valid (none)."""
-        settle = [x.flight.settled.wait() for x in posted]
-        if settle:
+    async def _fail(self, peer: Peer, own: _Ownership, posted: list[Posted], err: BaseException,
+                    deadline: float) -> BaseException:
+        """Settle posted READs, tell P to let go, and attach which blocks are valid (none).
+
+        Returns the error to raise: a read failure whose P no longer answers becomes
+        PEER_UNAVAILABLE (retryable elsewhere), not an internal error.
+        """
+        unsettled = [x.flight for x in posted if not x.flight.settled.is_set()]
+        if unsettled:
+            # Cancel what NIXL can, then wait for every READ to end: D's blocks must not be
+            # written after the caller was told the transfer failed. Never given up on.
+            await asyncio.shield(self.node.require_data_plane("Transfer").abort(unsettled))
+            waited = asyncio.gather(*(f.settled.wait() for f in unsettled))
             try:
-                await asyncio.shield(asyncio.wait_for(asyncio.gather(*settle), DRAIN_TIMEOUT_S))
-            except (TimeoutError, asyncio.CancelledError):
-                log.error("READs of %s did not settle in %.0f s", p.remote_request_id, DRAIN_TIMEOUT_S)
-        notified = False
+                await asyncio.shield(asyncio.wait_for(asyncio.shield(waited), DRAIN_WARN_S))
+            except TimeoutError:
+                log.error("READs of %s still in flight after %.0f s", own.params.remote_request_id, DRAIN_WARN_S)
+                await asyncio.shield(waited)
+            except asyncio.CancelledError:
+                await asyncio.shield(waited)
+        notified, peer_gone = False, False
         already_released = isinstance(err, KvsvcError) and err.reason == "LEASE_EXPIRED"
         if not already_released:
             try:
-                await asyncio.shield(peer.client.notify(self._aborted(p), timeout_s=2.0))
+                timeout = max(0.2, min(2.0, deadline + DEADLINE_MARGIN_FLOOR_S - time.monotonic()))
+                await asyncio.shield(peer.client.notify(own.notify(pb.NOTIFY_KIND_ABORTED), timeout_s=timeout))
                 notified = True
-            except (KvsvcError, asyncio.CancelledError):
-                log.warning("could not tell %s that %s was aborted", peer.address, p.remote_request_id)
+            except KvsvcError as e:
+                peer_gone = e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED)
+                log.warning("could not tell %s that %s was aborted", peer.address, own.params.remote_request_id)
+            except asyncio.CancelledError:
+                log.warning("could not tell %s that %s was aborted", peer.address, own.params.remote_request_id)
         failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
-        if isinstance(err, KvsvcError):
-            err.details = (*err.details, failure)
-        elif not isinstance(err, asyncio.CancelledError):
-            log.exception("transfer %s failed", p.remote_request_id, exc_info=err)
+        final: BaseException = err
+        p_unreachable = isinstance(err, KvsvcError) and err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
+        read_failed = isinstance(err, KvsvcError) and err.reason in ("TRANSFER_FAILED", "NIXL_ERROR")
+        if p_unreachable or (read_failed and peer_gone):
+            final = Unavailable("PEER_UNAVAILABLE", f"prefill server {peer.address} stopped answering: "
+                                f"{err}", {"address": peer.address})
+        if isinstance(final, KvsvcError):
+            final.details = (*final.details, failure)
+        elif not isinstance(final, asyncio.CancelledError):
+            log.exception("transfer %s failed", own.params.remote_request_id, exc_info=err)
+        return final
 
+
+@dataclass(frozen=True, slots=True)
+class _Ownership:
+    """Who this transfer is to P: the D engine, and the claim_id that owns the lease."""
+
+    params: pb.TransferParams
+    engine_id: str
+    tp_size: int
+    claim_id: str
+
+    def notify(self, kind: pb.NotifyKind, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
+        p = self.params
+        return pb.NotifyRequest(request_id=p.remote_request_id, kind=kind, engine_id=self.engine_id,
+                                tp_size=self.tp_size, done_ranks=done_ranks or [], lease_epoch=p.remote_epoch,
+                                lease_token=p.lease_token, claim_id=self.claim_id)

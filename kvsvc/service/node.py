@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
@@ -53,8 +54,10 @@ class Node:
         self.data: NixlDataPlane | None = None
         self.data_error = ""
         self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
-                                 config.max_lease_ttl_s, on_claim_change=self._claims_changed)
+                                 config.max_lease_ttl_s, on_claim_change=self._claims_changed,
+                                 max_live=config.max_live_leases)
         self._closed = False
+        self.health_tasks: set[asyncio.Future[None]] = set()
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -82,7 +85,7 @@ class Node:
         if rank in self._external:
             return ExternalPool(rank, self._external[rank], size)
         if self.config.memory is MemoryMode.VRAM:
-            return CudaPool(rank, size, self.config.cuda_device)
+            return CudaPool(rank, size, self.config.device_of(rank))
         return ShmPool(rank, size, shm_name_for(self.config.engine_id, self.epoch, rank))
 
     async def close(self) -> None:
@@ -115,6 +118,8 @@ class Node:
     def require_data_plane(self, what: str) -> NixlDataPlane:
         if self.data is None:
             raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: {self.data_error}")
+        if not self.data.alive:
+            raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: the NIXL thread stopped")
         return self.data
 
     def check_ranks(self, ranks: Sequence[int], field: str) -> tuple[int, ...]:

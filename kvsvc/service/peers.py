@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,7 +34,8 @@ class RemoteRank:
 
 @dataclass
 class Peer:
-    """A handshaken prefill server."""
+    """A handshaken prefill server. users counts transfers using it; a retired peer (its
+    server restarted) is closed when the last of them lets go, never under them."""
 
     address: str
     engine_id: str
@@ -39,51 +43,134 @@ class Peer:
     side: Side
     ranks: dict[int, RemoteRank]
     client: AsyncClient
+    users: int = 0
+    retired: bool = False
 
     @property
     def tp_size(self) -> int:
         return self.side.tp_size
 
 
-def peer_client_options(node: Node) -> ClientOptions:
-    """How this server dials peers: TLS with peer_tls_ca_file, presenting its own certificate."""
+def peer_client_options(node: Node, engine_id: str = "") -> ClientOptions:
+    """How this server dials peers: TLS with peer_tls_ca_file, presenting its own certificate.
+
+    Under TLS the peer's certificate must name engine_id (when given): the TLS check then
+    proves that the server at the address really is the engine the params name.
+    """
     cfg = node.config
-    opts = ClientOptions(timeout_s=cfg.peer_timeout_s, retries=2, max_message_bytes=cfg.max_message_bytes)
+    # One retry: a peer that is down is reported PEER_UNAVAILABLE quickly, not dialled a dozen times.
+    opts = ClientOptions(timeout_s=cfg.peer_timeout_s, retries=1, max_message_bytes=cfg.max_message_bytes)
     if not cfg.peer_tls_ca_file:
         return opts
     own = bool(cfg.tls_cert_file)
     return replace(opts, tls_root_certs=Path(cfg.peer_tls_ca_file).read_bytes(),
                    tls_client_cert=Path(cfg.tls_cert_file).read_bytes() if own else None,
-                   tls_client_key=Path(cfg.tls_key_file).read_bytes() if own else None)
+                   tls_client_key=Path(cfg.tls_key_file).read_bytes() if own else None,
+                   tls_server_name=engine_id or None)
+
+
+STALE_EPOCHS_KEPT = 64
 
 
 class PeerCache:
-    """Handshakes on demand; a new epoch drops the old peer and its NIXL remote agents."""
+    """Handshakes on demand, one per (address, epoch), single-flight.
+
+    A request naming an epoch other than the cached one either is stale (P did not
+    restart: answered LEASE_EXPIRED from a remembered set, after at most one GetInfo) or
+    reveals a restart (the peer is re-handshaken and the old one retired). Nothing a
+    request does pulls a peer from under the transfers using it.
+    """
 
     def __init__(self, node: Node) -> None:
         self._node = node
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._stale: dict[str, OrderedDict[int, None]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
-    async def get(self, address: str, expected_engine_id: str, want_epoch: int) -> Peer:
+    @contextlib.asynccontextmanager
+    async def use(self, address: str, expected_engine_id: str, want_epoch: int) -> AsyncIterator[Peer]:
+        """The peer at address with epoch want_epoch, held for the duration of the block."""
+        peer = await self._acquire(address, expected_engine_id, want_epoch)
+        try:
+            yield peer
+        finally:
+            peer.users -= 1
+            if peer.retired and peer.users == 0:
+                self._close_later(peer)
+
+    async def _acquire(self, address: str, expected_engine_id: str, want_epoch: int) -> Peer:
+        if want_epoch in self._stale.get(address, ()):
+            raise self._stale_error(address, want_epoch, self._peers.get(address))
         lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:  # single flight: concurrent transfers to one peer share one handshake
-            peer = self._peers.get(address)
-            if peer is not None and want_epoch and peer.epoch != want_epoch:
-                log.info("peer %s epoch changed (%d -> %d): re-handshaking", address, peer.epoch, want_epoch)
-                await self._drop(peer)
-                peer = None
-            if peer is None:
-                peer = await self._handshake(address, expected_engine_id)
-                self._peers[address] = peer
-        if expected_engine_id and peer.engine_id != expected_engine_id:
-            raise FailedPrecondition("UNKNOWN_ENGINE", f"{address} hosts engine {peer.engine_id!r}, not "
-                                     f"{expected_engine_id!r}", {"address": address, "engine_id": peer.engine_id})
-        if want_epoch and peer.epoch != want_epoch:
-            raise FailedPrecondition("LEASE_EXPIRED", f"the lease was made by an earlier run of {address} (epoch "
-                                     f"{want_epoch}, now {peer.epoch}): the prefill server restarted",
-                                     {"lease_epoch": want_epoch, "server_epoch": peer.epoch, "address": address})
-        return peer
+        try:
+            async with lock:  # single flight: concurrent transfers to one peer share one handshake
+                peer = self._peers.get(address)
+                if peer is not None and peer.epoch != want_epoch:
+                    if await self._current_epoch(peer) == peer.epoch:
+                        raise self._remember_stale(address, want_epoch, peer)
+                    log.info("peer %s restarted (epoch %d -> new): re-handshaking", address, peer.epoch)
+                    self._retire(peer)
+                    peer = None
+                if peer is None:
+                    peer = await self._handshake(address, expected_engine_id)
+                    self._peers[address] = peer
+                if expected_engine_id and peer.engine_id != expected_engine_id:
+                    raise FailedPrecondition("UNKNOWN_ENGINE", f"{address} hosts engine {peer.engine_id!r}, not "
+                                             f"{expected_engine_id!r}", {"address": address,
+                                                                         "engine_id": peer.engine_id})
+                if peer.epoch != want_epoch:
+                    raise self._remember_stale(address, want_epoch, peer)
+                peer.users += 1
+                return peer
+        finally:
+            if not lock.locked() and address not in self._peers:
+                self._locks.pop(address, None)  # no state kept for addresses that never answered
+
+    async def _current_epoch(self, peer: Peer) -> int:
+        """P's epoch now (one GetInfo over the cached channel); 0 when P does not answer."""
+        try:
+            return int((await peer.client.get_info(timeout_s=min(2.0, self._node.config.peer_timeout_s))).epoch)
+        except KvsvcError:
+            return 0
+
+    def _remember_stale(self, address: str, epoch: int, peer: Peer) -> KvsvcError:
+        stale = self._stale.setdefault(address, OrderedDict())
+        stale[epoch] = None
+        while len(stale) > STALE_EPOCHS_KEPT:
+            stale.popitem(last=False)
+        return self._stale_error(address, epoch, peer)
+
+    @staticmethod
+    def _stale_error(address: str, epoch: int, peer: Peer | None) -> KvsvcError:
+        now = peer.epoch if peer is not None else 0
+        return FailedPrecondition("LEASE_EXPIRED", f"the lease was made by an earlier run of {address} (epoch "
+                                  f"{epoch}, now {now}): the prefill server restarted",
+                                  {"lease_epoch": epoch, "server_epoch": now, "address": address})
+
+    def _retire(self, peer: Peer) -> None:
+        self._peers.pop(peer.address, None)
+        self._stale.pop(peer.address, None)  # epochs remembered as stale belonged to the old run's view
+        peer.retired = True
+        if peer.users == 0:
+            self._close_later(peer)
+
+    def _close_later(self, peer: Peer) -> None:
+        task = asyncio.get_running_loop().create_task(self._close_peer(peer))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_peer(self, peer: Peer) -> None:
+        """Forget the peer's NIXL remote agents and close its channel (nothing uses them now)."""
+        try:
+            if self._node.data is not None:
+                await self._node.data.forget({r.agent_name for r in peer.ranks.values()})
+        finally:
+            await peer.client.close()
+
+    @property
+    def cached(self) -> int:
+        return len(self._peers)
 
     async def side_of(self, address: str) -> Side:
         """A remote engine's layout and TP, for planning only: no NIXL wiring, no data plane needed."""
@@ -100,16 +187,10 @@ class PeerCache:
             raise
         return Side.of(layout_from_proto(info.layout, "remote.layout", info.tp_size), info.tp_size)
 
-    async def _drop(self, peer: Peer) -> None:
-        self._peers.pop(peer.address, None)
-        if self._node.data is not None:
-            await self._node.data.forget({r.agent_name for r in peer.ranks.values()})
-        await peer.client.close()
-
     async def _handshake(self, address: str, expected_engine_id: str) -> Peer:
         node = self._node
         data = node.require_data_plane("Transfer")
-        client = AsyncClient(address, peer_client_options(node))
+        client = AsyncClient(address, peer_client_options(node, expected_engine_id))
         try:
             # Every rank the P server hosts (metadata is ~0.5 KB a rank): one round trip, and
             # the TP mapping below picks the ones each local rank needs.
@@ -140,5 +221,6 @@ class PeerCache:
 
     async def close(self) -> None:
         for peer in list(self._peers.values()):
-            await peer.client.close()
-        self._peers.clear()
+            self._retire(peer)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

@@ -10,12 +10,14 @@ import numpy as np
 
 from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout_to_proto
 from kvsvc.config import Role
-from kvsvc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import compatibility_hash
-from kvsvc.leases.table import Lease, LeaseState, Release, monotonic_to_unix_ms
+from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, monotonic_to_unix_ms
+from kvsvc.limits import MAX_TP_SIZE, MIN_CLAIM_ID_BYTES, check_block_lists, check_count, check_id, check_tp_size
 from kvsvc.mapping.geometry import check_block_ids
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
+from kvsvc.service.auth import require_peer
 from kvsvc.service.node import Node
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -30,25 +32,8 @@ RELEASE_REASONS = {
     LeaseState.CONSUMED: pb.RELEASE_REASON_CONSUMED, LeaseState.EXPIRED: pb.RELEASE_REASON_EXPIRED,
     LeaseState.ABORTED: pb.RELEASE_REASON_ABORTED,
 }
-NOTIFY_KINDS = {pb.NOTIFY_KIND_CONSUMED: "consumed", pb.NOTIFY_KIND_ABORTED: "aborted",
-                pb.NOTIFY_KIND_HEARTBEAT: "heartbeat"}
-
-
-def authorize(node: Node, engine_id: str, peer_names: Sequence[str], what: str) -> None:
-    """PEER_NOT_ALLOWED unless engine_id is allowed (and, under mTLS, named by its certificate).
-
-    The handshake hands out NIXL metadata that lets the caller read this server's KV
-    memory, so it is the gate; claims and notifications are checked the same way.
-    """
-    allowed = node.config.allowed_peers
-    if not allowed:
-        return
-    if engine_id not in allowed:
-        raise PermissionDenied("PEER_NOT_ALLOWED", f"engine {engine_id!r} may not {what} here",
-                               {"engine_id": engine_id})
-    if node.config.tls_client_ca_file and engine_id not in peer_names:
-        raise PermissionDenied("PEER_NOT_ALLOWED", f"engine {engine_id!r} does not match its certificate "
-                               f"({', '.join(peer_names) or 'none'})", {"engine_id": engine_id})
+NOTIFY_KINDS = {pb.NOTIFY_KIND_CONSUMED: NotifyKind.CONSUMED, pb.NOTIFY_KIND_ABORTED: NotifyKind.ABORTED,
+                pb.NOTIFY_KIND_HEARTBEAT: NotifyKind.HEARTBEAT}
 
 
 def handshake(node: Node, req: pb.HandshakeRequest, peer_names: Sequence[str] = ()) -> pb.HandshakeResponse:
@@ -57,9 +42,13 @@ def handshake(node: Node, req: pb.HandshakeRequest, peer_names: Sequence[str] = 
     data = node.require_data_plane("Handshake")
     if not req.engine_id:
         raise bad_field("engine_id", "must be set", "MISSING_FIELD")
-    authorize(node, req.engine_id, peer_names, "handshake")
+    check_id(req.engine_id, "engine_id")
+    check_id(req.expected_engine_id, "expected_engine_id")
+    require_peer(node, req.engine_id, peer_names, "handshake")
     if req.tp_size == 0:
         raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
+    check_tp_size(req.tp_size, "tp_size")
+    check_count(req.ranks, "ranks", node.config.tp_size)
     if req.expected_engine_id and req.expected_engine_id != node.config.engine_id:
         raise FailedPrecondition("UNKNOWN_ENGINE", f"this server hosts engine {node.config.engine_id!r}, not "
                                  f"{req.expected_engine_id!r}; check the address the router handed out",
@@ -100,6 +89,8 @@ def _ttl_s(ms: int) -> float | None:
 def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksResponse:
     node.require_role(Role.PREFILL, "PublishBlocks")
     node.require_data_plane("PublishBlocks")
+    check_id(req.request_id, "request_id")
+    check_block_lists([g.block_ids for g in req.block_ids_per_group], "block_ids_per_group")
     groups = [list(g.block_ids) for g in req.block_ids_per_group]
     if len(groups) != len(node.layout.groups):
         raise InvalidArgument("UNKNOWN_GROUP", f"block ids name {len(groups)} groups but the layout has "
@@ -111,31 +102,47 @@ def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksRespons
     params = pb.TransferParams(
         remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
         remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
-        remote_tp_size=node.config.tp_size)
+        remote_tp_size=node.config.tp_size, lease_token=lease.token)
     return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
 
 
 def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ()) -> pb.ClaimLeaseResponse:
     node.require_role(Role.PREFILL, "ClaimLease")
-    authorize(node, req.engine_id, peer_names, "claim leases")
+    require_peer(node, req.engine_id, peer_names, "claim leases")
+    _check_lease_ids(req)
     if req.tp_size == 0:
         raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
-    lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, req.engine_id, req.tp_size,
-                                     _ttl_s(req.extend_ms))
+    check_tp_size(req.tp_size, "tp_size")
+    check_count(req.ranks, "ranks", req.tp_size)
+    if len(req.claim_id.encode()) < MIN_CLAIM_ID_BYTES:
+        raise bad_field("claim_id", f"must be a fresh secret of at least {MIN_CLAIM_ID_BYTES} characters",
+                        "MISSING_FIELD")
+    lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
+                                     d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
+                                     extend_s=_ttl_s(req.extend_ms))
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
 
 
-def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) -> pb.NotifyResponse:
-    node.require_role(Role.PREFILL, "Notify")
-    authorize(node, req.engine_id, peer_names, "notify")
-    if req.kind not in NOTIFY_KINDS:
-        raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
-                   value=req.kind)
+def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:
     if not req.request_id:
         raise bad_field("request_id", "must be set (the P-side request id)", "MISSING_FIELD")
+    if not req.lease_epoch:
+        raise bad_field("lease_epoch", "must be set (TransferParams.remote_epoch)", "MISSING_FIELD")
+    for name in ("request_id", "engine_id", "lease_token", "claim_id"):
+        check_id(getattr(req, name), name)
+
+
+def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) -> pb.NotifyResponse:
+    node.require_role(Role.PREFILL, "Notify")
+    require_peer(node, req.engine_id, peer_names, "notify")
+    _check_lease_ids(req)
+    if req.kind not in NOTIFY_KINDS:
+        raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
+                        value=req.kind)
+    check_count(req.done_ranks, "done_ranks", MAX_TP_SIZE)
     state, pending = node.leases.notify(req.request_id, NOTIFY_KINDS[req.kind], list(req.done_ranks),
-                                        req.lease_epoch, req.tp_size)
+                                        req.lease_epoch, token=req.lease_token, claim_id=req.claim_id)
     lease = node.leases.get(req.request_id)
     remaining = lease.expires_at - time.monotonic() if lease is not None and state and not state.released else 0.0
     return pb.NotifyResponse(state=LEASE_STATES.get(state, pb.LEASE_STATE_UNKNOWN) if state else

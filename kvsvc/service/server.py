@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,8 @@ from kvsvc.config import ServerConfig
 from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
-from kvsvc.service.servicer import KvTransferServicer
+from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,18 @@ class RunningServer:
     decoder: Decoder
     _stopped: bool = False
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Idempotent shutdown, in order: NOT_SERVING, drain RPCs, stop, release the node."""
+    async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
+        """Idempotent shutdown, in order: NOT_SERVING, drain leases, drain RPCs, stop, release the node."""
         if self._stopped:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()  # 1. routers stop sending new work
+        # 2. no new publishes; claimed leases (D may be reading them) get drain_s to finish
+        await self.node.leases.drain(self.node.config.drain_timeout_s if drain_s is None else drain_s)
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
-        await self.server.stop(grace)  # 2. in-flight RPCs finish within the grace period
-        await self.decoder.close()  # 3. peer channels
-        await self.node.close()  # 4. leases, agents and pools go last, after no RPC can use them
+        await self.server.stop(grace)  # 3. in-flight RPCs finish within the grace period
+        await self.decoder.close()  # 4. transfers settle, peer channels close
+        await self.node.close()  # 5. leases, agents and pools go last, after no RPC can use them
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -87,7 +89,7 @@ async def create_server(
     ]
     server = grpc.aio.server(options=options)
     servicer = KvTransferServicer(node, decoder)
-    pb_grpc.add_KvTransferServiceServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -109,13 +111,35 @@ async def create_server(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if node.data is not None:
+        loop = asyncio.get_running_loop()
+        # The NIXL thread ending on its own means no transfer can work: say so to health checks.
+        node.data.on_dead(lambda: void(loop.call_soon_threadsafe(_mark_down, health_servicer, node)))
+    if creds is None:
+        log.warning("PLAINTEXT: %s:%d has no TLS; any process that can reach it may call every RPC (leases are "
+                    "still guarded by their tokens). Use this only on a trusted network.", host, port)
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
     return RunningServer(server, port, node, health_servicer, decoder), port
+
+
+def void(_: object) -> None:
+    """Drop a value (callbacks that must return None)."""
+
+
+def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:
+    log.error("data plane down (the NIXL thread stopped): health is NOT_SERVING")
+    node.health_tasks.update(
+        asyncio.ensure_future(health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        for name in ("", SERVICE_NAME))
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     running, _ = await create_server(config)
+    if not config.tls_cert_file:
+        print(f"kvsvc: WARNING: plaintext mode, no authentication: anyone who can reach {running.node.address} "
+              "can publish, transfer and read pool metadata. Use TLS (tls_cert_file, tls_client_ca_file) "
+              "outside a trusted network.", file=sys.stderr, flush=True)
     print(f"kvsvc listening on {running.node.address} (engine {config.engine_id}, TP ranks "
           f"{list(config.ranks)}/{config.tp_size})", flush=True)
     stop = asyncio.Event()

@@ -1,39 +1,39 @@
-"""The kvsvc.v1.KvTransferService servicer: decode requests, call the node, encode answers."""
+"""The kvsvc.v1.KvTransferService servicer: decode requests, check the caller, call the node, encode answers."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_status import rpc_status
 
 from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
+from kvsvc.limits import MAX_ADDRESS_BYTES, check_block_lists, check_id, check_tp_size
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.service import prefill
+from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
-from kvsvc.service.errors import rpc_errors, to_status
+from kvsvc.service.errors import Malformed, rpc_errors, to_status
 from kvsvc.service.node import Node
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KvTransferService"]
 
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
     if msg.tp_size == 0:
         raise bad_field(f"{field}.tp_size", "must be positive", "MISSING_FIELD")
+    check_tp_size(msg.tp_size, f"{field}.tp_size")
     tp_ratio(local_tp_size, msg.tp_size)  # TP_NOT_DIVISIBLE before any per-rank head check
     if not msg.HasField("layout"):
         raise bad_field(f"{field}.layout", "must be set", "MISSING_FIELD")
     return Side.of(layout_from_proto(msg.layout, f"{field}.layout", msg.tp_size), msg.tp_size)
-
-
-def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
-    """Names in the caller's TLS certificate (common name and DNS names); empty without mTLS."""
-    auth = context.auth_context() or {}
-    names = [*auth.get("x509_common_name", []), *auth.get("x509_subject_alternative_name", [])]
-    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
 
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
@@ -45,16 +45,23 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
-        return self.node.info()
+        info = self.node.info()
+        if not is_engine(self.node, caller_names(context)):
+            del info.pools[:]  # shared-memory names and CUDA IPC handles are for the engine only
+        return info
 
     @rpc_errors
     async def PlanTransfer(
         self, request: pb.PlanTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.PlanTransferResponse:
+        check_block_lists([g.block_ids for g in request.local_block_ids_per_group], "local_block_ids_per_group")
+        check_block_lists([g.block_ids for g in request.remote_block_ids_per_group], "remote_block_ids_per_group")
         which = request.WhichOneof("remote")
         if which == "inline_remote":
             remote = inline_remote_side(request.inline_remote, "inline_remote", self.node.config.tp_size)
         elif which == "remote_address":
+            check_id(request.remote_address, "remote_address", MAX_ADDRESS_BYTES)
+            require_engine(self.node, caller_names(context), "plan by address (this server dials it)")
             remote = await self.decoder.peers.side_of(request.remote_address)
         else:
             raise bad_field("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
@@ -67,31 +74,43 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:
-        return prefill.handshake(self.node, request, peer_names(context))
+        return prefill.handshake(self.node, request, caller_names(context))
 
     @rpc_errors
     async def PublishBlocks(
         self, request: pb.PublishBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishBlocksResponse:
+        require_engine(self.node, caller_names(context), "publish blocks")
         return prefill.publish(self.node, request)
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:
-        return prefill.claim(self.node, request, peer_names(context))
+        return prefill.claim(self.node, request, caller_names(context))
 
     @rpc_errors
     async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:
+        require_engine(self.node, caller_names(context), "run transfers")
         return await self.decoder.transfer(request, context.time_remaining())
 
     @rpc_errors
+    async def WaitTransfer(
+        self, request: pb.WaitTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WaitTransferResponse:
+        require_engine(self.node, caller_names(context), "ask about transfers")
+        return await self.decoder.wait(request)
+
+    @rpc_errors
     async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
-        return prefill.notify(self.node, request, peer_names(context))
+        return prefill.notify(self.node, request, caller_names(context))
 
     async def WatchReleases(
         self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchReleasesResponse]:
         try:
+            if isinstance(request, Malformed):
+                raise request.error()
             self.node.require_role(Role.PREFILL, "WatchReleases")
+            require_engine(self.node, caller_names(context), "watch releases")
         except KvsvcError as e:
             await context.abort_with_status(rpc_status.to_status(to_status(e)))
         sub = self.node.leases.subscribe()
@@ -102,3 +121,31 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 yield prefill.release_to_proto(ev)
         finally:
             sub.close()
+
+
+def _tolerant(message_type: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer that turns unparsable bytes into a Malformed marker.
+
+    gRPC answers a deserializer's exception with UNKNOWN and logs a traceback per call;
+    this way the servicer answers INVALID_ARGUMENT (MALFORMED_REQUEST) and logs one line.
+    """
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as e:
+            return Malformed(message_type.DESCRIPTOR.full_name, len(data), str(e))
+
+    return parse
+
+
+def add_servicer(servicer: KvTransferServicer, server: grpc.aio.Server) -> None:
+    """Register every RPC of KvTransferService with tolerant request parsing."""
+    handlers = {}
+    for method in SERVICE.methods:
+        req_cls = getattr(pb, method.input_type.name)
+        resp_cls = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_tolerant(req_cls),
+                                     response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))

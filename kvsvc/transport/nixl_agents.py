@@ -181,8 +181,20 @@ class NixlDataPlane:
 
         return await self._guard(self._thread.post(ra.agent, make), "post READ")  # type: ignore[no-any-return]
 
+    async def abort(self, flights: list[InFlight]) -> None:
+        """Cancel what NIXL can of these READs; the rest settle when they end."""
+        await self._thread.abort([f for f in flights if not f.settled.is_set()])
+
     def need_progress(self, delta: int) -> None:
         self._thread.need_progress(delta)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.alive
+
+    def on_dead(self, callback: Callable[[], None]) -> None:
+        """callback() (from the NIXL thread) if that thread ever ends other than by close()."""
+        self._thread.on_dead = callback
 
     async def close(self) -> None:
         if self._closed:

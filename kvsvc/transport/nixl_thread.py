@@ -53,8 +53,9 @@ class NixlThread:
         self._progress_agents: list[Any] = []
         self._progress_refs = 0
         self._notif_sink: Callable[[Any, dict[str, list[bytes]]], None] | None = None
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run_main, name=name, daemon=True)
         self._started = False
+        self.on_dead: Callable[[], None] | None = None
 
     def start(self) -> None:
         if not self._started:
@@ -65,6 +66,11 @@ class NixlThread:
         if self._started and self._thread.is_alive():
             self._jobs.put(_STOP)
             self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """Started and still running (False after stop() or a crash)."""
+        return self._started and self._thread.is_alive()
 
     # ---- asyncio side ---------------------------------------------------------------
 
@@ -82,6 +88,13 @@ class NixlThread:
         posted: asyncio.Future[InFlight] = loop.create_future()
         self._jobs.put((self._post, (fl, make_handle), posted, loop))
         return await posted
+
+    async def abort(self, flights: list[InFlight]) -> None:
+        """Try to cancel in-flight transfers; those NIXL cancels settle as failed at once.
+
+        A transfer NIXL cannot cancel stays in flight and settles when it ends.
+        """
+        await self.call(self._abort, flights)
 
     def set_progress(self, agents: list[Any], notif_sink: Callable[[Any, dict[str, list[bytes]]], None]) -> None:
         """Agents that peers read from: progressed (and their notifications drained) while needed."""
@@ -111,12 +124,29 @@ class NixlThread:
             self._inflight.append(fl)
         return fl
 
-    def _finish(self, fl: InFlight, error: Exception | None) -> None:
+    def _abort(self, flights: list[InFlight]) -> None:
+        wanted = {id(f) for f in flights}
+        still: list[InFlight] = []
+        for fl in self._inflight:
+            if id(fl) not in wanted:
+                still.append(fl)
+                continue
+            try:
+                fl.agent.release_xfer_handle(fl.handle)  # NIXL cancels an active transfer here, or refuses
+            except Exception:
+                log.info("NIXL could not cancel a transfer in flight; waiting for it to end")
+                still.append(fl)
+                continue
+            self._finish(fl, TransferError("transfer cancelled"), release=False)
+        self._inflight = still
+
+    def _finish(self, fl: InFlight, error: Exception | None, release: bool = True) -> None:
         elapsed = time.perf_counter() - fl.posted_at
-        try:
-            fl.agent.release_xfer_handle(fl.handle)
-        except Exception:  # releasing a failed handle may fail too; the transfer is over either way
-            log.debug("release_xfer_handle failed", exc_info=True)
+        if release:
+            try:
+                fl.agent.release_xfer_handle(fl.handle)
+            except Exception:  # releasing a failed handle may fail too; the transfer is over either way
+                log.debug("release_xfer_handle failed", exc_info=True)
 
         def resolve() -> None:
             if not fl.result.done():
@@ -175,6 +205,17 @@ class NixlThread:
                 fut.set_result(result)
 
         loop.call_soon_threadsafe(resolve)
+
+    def _run_main(self) -> None:
+        stopped = False
+        try:
+            self._main()
+            stopped = True
+        except BaseException:
+            log.critical("the NIXL thread crashed", exc_info=True)
+        finally:
+            if not stopped and self.on_dead is not None:
+                self.on_dead()
 
     def _main(self) -> None:
         sleep = PROGRESS_MIN_SLEEP_S

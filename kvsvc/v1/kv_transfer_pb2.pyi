@@ -73,6 +73,14 @@ class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELEASE_REASON_CONSUMED: _ClassVar[ReleaseReason]
     RELEASE_REASON_EXPIRED: _ClassVar[ReleaseReason]
     RELEASE_REASON_ABORTED: _ClassVar[ReleaseReason]
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
+    TRANSFER_STATE_UNKNOWN: _ClassVar[TransferState]
+    TRANSFER_STATE_RUNNING: _ClassVar[TransferState]
+    TRANSFER_STATE_SUCCEEDED: _ClassVar[TransferState]
+    TRANSFER_STATE_FAILED: _ClassVar[TransferState]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -113,6 +121,11 @@ RELEASE_REASON_UNSPECIFIED: ReleaseReason
 RELEASE_REASON_CONSUMED: ReleaseReason
 RELEASE_REASON_EXPIRED: ReleaseReason
 RELEASE_REASON_ABORTED: ReleaseReason
+TRANSFER_STATE_UNSPECIFIED: TransferState
+TRANSFER_STATE_UNKNOWN: TransferState
+TRANSFER_STATE_RUNNING: TransferState
+TRANSFER_STATE_SUCCEEDED: TransferState
+TRANSFER_STATE_FAILED: TransferState
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("num_kv_heads_per_rank", "head_size", "head_size_v", "dtype")
@@ -375,20 +388,22 @@ class BlockIds(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size")
+    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token")
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     REMOTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     remote_address: str
     remote_engine_id: str
     remote_request_id: str
     remote_block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     remote_epoch: int
     remote_tp_size: int
-    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class PublishBlocksRequest(_message.Message):
     __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms")
@@ -409,18 +424,24 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
     tp_size: int
     extend_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    claim_id: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms")
@@ -566,20 +587,24 @@ class TransferFailure(_message.Message):
     def __init__(self, valid_local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_notified: _Optional[bool] = ...) -> None: ...
 
 class NotifyRequest(_message.Message):
-    __slots__ = ("request_id", "kind", "engine_id", "tp_size", "done_ranks", "lease_epoch")
+    __slots__ = ("request_id", "kind", "engine_id", "tp_size", "done_ranks", "lease_epoch", "lease_token", "claim_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DONE_RANKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: NotifyKind
     engine_id: str
     tp_size: int
     done_ranks: _containers.RepeatedScalarFieldContainer[int]
     lease_epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyKind, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., done_ranks: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    claim_id: str
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyKind, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., done_ranks: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ...) -> None: ...
 
 class NotifyResponse(_message.Message):
     __slots__ = ("state", "pending_ranks", "lease_remaining_ms")
@@ -606,3 +631,23 @@ class WatchReleasesResponse(_message.Message):
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     released_unix_ms: int
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., released_unix_ms: _Optional[int] = ...) -> None: ...
+
+class WaitTransferRequest(_message.Message):
+    __slots__ = ("request_id", "wait_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class WaitTransferResponse(_message.Message):
+    __slots__ = ("state", "result", "failure", "error_reason")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    result: TransferResponse
+    failure: TransferFailure
+    error_reason: str
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., result: _Optional[_Union[TransferResponse, _Mapping]] = ..., failure: _Optional[_Union[TransferFailure, _Mapping]] = ..., error_reason: _Optional[str] = ...) -> None: ...

@@ -77,6 +77,11 @@ class KvTransferServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WatchReleasesRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WatchReleasesResponse.FromString,
                 _registered_method=True)
+        self.WaitTransfer = channel.unary_unary(
+                '/kvsvc.v1.KvTransferService/WaitTransfer',
+                request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -144,6 +149,15 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitTransfer(self, request, context):
+        """On D: the settled state of a Transfer, by its D-side request id. Once it answers a
+        settled state (anything but RUNNING), nothing kvsvc does writes into that request's
+        local blocks any more, and no later Transfer with that id is started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +200,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.WatchReleases,
                     request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WatchReleasesRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WatchReleasesResponse.SerializeToString,
+            ),
+            'WaitTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitTransfer,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +426,33 @@ class KvTransferService:
             '/kvsvc.v1.KvTransferService/WatchReleases',
             kvsvc_dot_v1_dot_kv__transfer__pb2.WatchReleasesRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__transfer__pb2.WatchReleasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.KvTransferService/WaitTransfer',
+            kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,20 +40,34 @@ def test_keepalive_within_server_permit_policy():
 
 
 class FlakyInfo(pb_grpc.KvTransferServiceServicer):
-    """Answers UNAVAILABLE `failures` times, then succeeds; INVALID_ARGUMENT when told to."""
+    """Fails `failures` times, then succeeds.
 
-    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
-        self.calls, self.failures, self.code = 0, failures, code
+    plain=True fails like an unreachable server (a bare status, no kvsvc reason); otherwise
+    it answers a kvsvc error with that code (a server's answer, never retried).
+    """
+
+    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, plain: bool = True) -> None:
+        self.calls, self.failures, self.code, self.plain = 0, failures, code, plain
+        self.published = 0
+
+    async def _fail(self, context):
+        if self.plain:
+            await context.abort(self.code, f"scripted failure {self.calls}")
+        from kvsvc.errors import ErrorCode, KvsvcError
+
+        err = KvsvcError("TEST_" + self.code.name, "scripted failure", {"call": self.calls},
+                         code=ErrorCode[self.code.name])
+        await context.abort_with_status(rpc_status.to_status(to_status(err)))
 
     async def GetInfo(self, request, context):
         self.calls += 1
         if self.calls <= self.failures:
-            from kvsvc.errors import ErrorCode, KvsvcError
-
-            err = KvsvcError("TEST_" + self.code.name, "scripted failure", {"call": self.calls},
-                             code=ErrorCode[self.code.name])
-            await context.abort_with_status(rpc_status.to_status(to_status(err)))
+            await self._fail(context)
         return pb.GetInfoResponse(engine_id="flaky")
+
+    async def PublishBlocks(self, request, context):
+        self.published += 1
+        await self._fail(context)
 
 
 async def serve(servicer):
@@ -82,13 +96,30 @@ async def test_gives_up_after_retries():
         async with AsyncClient(f"127.0.0.1:{port}", ClientOptions(retries=2, backoff_s=0.001)) as c:
             with pytest.raises(Unavailable) as e:
                 await c.get_info()
-        assert servicer.calls == 3 and e.value.reason == "TEST_UNAVAILABLE" and e.value.metadata == {"call": "3"}
+        assert servicer.calls == 3 and e.value.reason == "UNAVAILABLE" and e.value.message == "scripted failure 3"
+    finally:
+        await server.stop(0)
+
+
+async def test_never_retries_a_servers_own_unavailable_answer_or_a_publish():
+    # PEER_UNAVAILABLE, DATA_PLANE_UNAVAILABLE...: the server answered; retrying asks the same question again.
+    servicer = FlakyInfo(failures=10, plain=False)
+    server, port = await serve(servicer)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", ClientOptions(retries=3, backoff_s=0.001)) as c:
+            with pytest.raises(Unavailable) as e:
+                await c.get_info()
+            assert servicer.calls == 1 and e.value.reason == "TEST_UNAVAILABLE"
+            servicer.plain = True
+            with pytest.raises(Unavailable):
+                await c.publish_blocks("r", [[1]])  # a lost answer would make a retry a second publish
+            assert servicer.published == 1
     finally:
         await server.stop(0)
 
 
 async def test_never_retries_other_codes():
-    servicer = FlakyInfo(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    servicer = FlakyInfo(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT, plain=False)
     server, port = await serve(servicer)
     try:
         async with AsyncClient(f"127.0.0.1:{port}", ClientOptions(retries=3, backoff_s=0.001)) as c:

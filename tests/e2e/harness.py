@@ -132,9 +132,10 @@ class Session:
 
 
 @contextlib.asynccontextmanager
-async def session(p: ServerProcess, d: ServerProcess, options: ClientOptions | None = None
-                  ) -> AsyncIterator[Session]:
-    async with AsyncClient(p.address, options) as pc, AsyncClient(d.address, options) as dc:
+async def session(p: ServerProcess, d: ServerProcess, options: ClientOptions | None = None,
+                  d_options: ClientOptions | None = None) -> AsyncIterator[Session]:
+    """Clients of P and D (d_options: D's, when the engines hold different certificates)."""
+    async with AsyncClient(p.address, options) as pc, AsyncClient(d.address, d_options or options) as dc:
         pe, de = await Engine.of(pc), await Engine.of(dc)
         watch = await ReleaseWatch.open(pc)
         try:

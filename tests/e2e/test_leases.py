@@ -50,7 +50,7 @@ async def test_duplicate_and_unknown_notify_are_harmless():
                                                        tp_size=2, done_ranks=[0, 1], lease_epoch=epoch))
             assert again.state == pb.LEASE_STATE_CONSUMED
             unknown = await s.pc.notify(pb.NotifyRequest(request_id="never", kind=pb.NOTIFY_KIND_CONSUMED,
-                                                         tp_size=2, done_ranks=[0]))
+                                                         tp_size=2, done_ranks=[0], lease_epoch=epoch))
             assert unknown.state == pb.LEASE_STATE_UNKNOWN
             await asyncio.sleep(0.2)
             assert [e.request_id for e in s.watch.events] == ["dup"]

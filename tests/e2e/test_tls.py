@@ -64,7 +64,7 @@ async def test_mutual_tls_and_allowed_peers(tmp_path):
                      config_file=server_config(tmp_path, "tls-d", certs))
     try:
         # The engines (here: this test) talk to their servers with their own certificates.
-        async with session(p, d, options(tmp_path, certs, "tls-d")) as s:
+        async with session(p, d, options(tmp_path, certs, "tls-p"), options(tmp_path, certs, "tls-d")) as s:
             await transfer_and_check(s, "tls-1", [[1, 2]], [[3, 4]])  # D dialed P over mTLS, as tls-d
         hello = pb.HandshakeRequest(engine_id="intruder", tp_size=1,
                                     layout=layout_to_proto(layout_from_dict(layout, 1)))

@@ -59,10 +59,14 @@ async def test_publish_errors_leak_nothing(client, dp_server):
 async def test_claim_and_notify_errors(client, dp_server):
     epoch = dp_server.node.epoch
     with pytest.raises(FailedPrecondition) as e:
-        await client.claim_lease(pb.ClaimLeaseRequest(request_id="nope", lease_epoch=epoch, engine_id="D", tp_size=1))
+        await client.claim_lease(pb.ClaimLeaseRequest(request_id="nope", lease_epoch=epoch, engine_id="D", tp_size=1,
+                                                      claim_id="c" * 32))
     assert e.value.reason == "LEASE_EXPIRED" and e.value.metadata["state"] == "unknown"
     with pytest.raises(InvalidArgument) as e:
         await client.notify(pb.NotifyRequest(request_id="x"))
+    assert e.value.reason == "MISSING_FIELD" and e.value.metadata["field"] == "lease_epoch"
+    with pytest.raises(InvalidArgument) as e:
+        await client.notify(pb.NotifyRequest(request_id="x", lease_epoch=epoch))
     assert e.value.reason == "UNSPECIFIED_ENUM"
     with pytest.raises(InvalidArgument) as e:
         await client.claim_lease(pb.ClaimLeaseRequest(request_id="nope", lease_epoch=epoch))

@@ -8,6 +8,7 @@ request was aborted, keyed by the P-side id, and (3) say that no block is valid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -24,8 +25,16 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
 class FakeData:
+    """Posts READs that the test completes or settles; like NIXL with a transfer it cannot cancel."""
+
+    alive = True
+
     def __init__(self) -> None:
         self.flights: list[InFlight] = []
+        self.aborted: list[InFlight] = []
+
+    async def abort(self, flights: list[InFlight]) -> None:
+        self.aborted.extend(flights)
 
     async def read(self, *args, **kw) -> InFlight:
         loop = asyncio.get_running_loop()
@@ -77,10 +86,11 @@ def decoder():
     peer = Peer("p:1", "P", 42, remote, {0: RemoteRank(0, "P/r0", [(1 << 30) + r.pool_offset for r in regions])},
                 client)  # type: ignore[arg-type]
 
-    async def get(address, engine, epoch):
-        return peer
+    @contextlib.asynccontextmanager
+    async def use(address, engine, epoch):
+        yield peer
 
-    dec.peers.get = get  # type: ignore[method-assign]
+    dec.peers.use = use  # type: ignore[method-assign]
     return dec, client, node.data
 
 
@@ -111,7 +121,7 @@ def complete_later(data: FakeData, delay_s: float) -> None:
 
 async def test_deadline_waits_for_reads_then_aborts(decoder):
     dec, client, data = decoder
-    task = asyncio.ensure_future(dec.transfer(request(), 0.05))
+    task = asyncio.ensure_future(dec.transfer(request(), 0.2))
     await asyncio.sleep(0.01)
     assert data.flights, "reads were posted"
     settle_later(data, 0.2)
@@ -122,6 +132,7 @@ async def test_deadline_waits_for_reads_then_aborts(decoder):
     assert client.settled_when_notified == [True]
     failure = [d for d in e.value.details if isinstance(d, pb.TransferFailure)]
     assert failure and not failure[0].valid_local_block_ids_per_group and failure[0].remote_notified
+    assert data.aborted == data.flights, "the reads were cancelled, not left to run"
 
 
 async def test_cancel_waits_for_reads_then_aborts(decoder):
@@ -132,6 +143,10 @@ async def test_cancel_waits_for_reads_then_aborts(decoder):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    # The caller is gone at once; WaitTransfer says when the blocks are settled.
+    state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
+    assert state.state == pb.TRANSFER_STATE_FAILED and state.error_reason == "CANCELLED"
+    assert all(f.settled.is_set() for f in data.flights)
     assert [n.kind for n in client.notified] == [pb.NOTIFY_KIND_ABORTED]
     assert client.settled_when_notified == [True]
 
@@ -145,6 +160,8 @@ async def test_cancel_during_claim_aborts_the_lease(decoder):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
+    assert state.state == pb.TRANSFER_STATE_FAILED
     assert [(n.kind, n.request_id) for n in client.notified] == [(pb.NOTIFY_KIND_ABORTED, "p-side-id")]
     assert not data.flights
 
@@ -156,6 +173,7 @@ async def test_refused_claim_aborts_nothing(decoder):
     with pytest.raises(FailedPrecondition) as e:
         await dec.transfer(request(), None)
     assert e.value.reason == "LEASE_CLAIMED" and e.value.metadata == {"claimed_by": "other"}
+    await asyncio.sleep(0.05)  # nothing in the background either
     assert client.notified == [] and not data.flights
 
 

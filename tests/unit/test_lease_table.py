@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
-from kvsvc.leases.table import LeaseState, LeaseTable
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
+from kvsvc.leases.table import LeaseState, LeaseTable, NotifyKind, Tombstone
 
 
 @pytest.fixture
@@ -38,16 +38,26 @@ async def collect(table, n, timeout=3.0):
     return out
 
 
+CLAIM_A = "a" * 32
+CLAIM_B = "b" * 32
+CONSUMED, ABORTED, HEARTBEAT = NotifyKind.CONSUMED, NotifyKind.ABORTED, NotifyKind.HEARTBEAT
+
+
+def claim(table, rid, claim_id=CLAIM_A, *, epoch=7, engine="D", tp=2, ranks=(), token=None):
+    token = table.get(rid).token if token is None and table.get(rid) else token or ""
+    return table.claim(rid, epoch, token=token, claim_id=claim_id, d_engine_id=engine, d_tp_size=tp, d_ranks=ranks)
+
+
 async def test_consumed_after_every_d_rank(table):
     watcher = asyncio.ensure_future(collect(table, 1))
     await asyncio.sleep(0)  # the watcher task subscribes
     table.publish("r", [[1, 2]], None)
-    table.claim("r", 7, "D", 4, None)
-    assert table.notify("r", "consumed", [0, 1], 7) == (LeaseState.CLAIMED, [2, 3])
-    assert table.notify("r", "consumed", [2, 3], 7) == (LeaseState.CONSUMED, [])
+    claim(table, "r", tp=4)
+    assert table.notify("r", CONSUMED, [0, 1], 7, claim_id=CLAIM_A) == (LeaseState.CLAIMED, [2, 3])
+    assert table.notify("r", CONSUMED, [2, 3], 7, claim_id=CLAIM_A) == (LeaseState.CONSUMED, [])
     (ev,) = await watcher
     assert (ev.request_id, ev.reason, ev.block_ids) == ("r", LeaseState.CONSUMED, [[1, 2]])
-    assert table.notify("r", "consumed", [0], 7) == (LeaseState.CONSUMED, [])  # duplicate: harmless
+    assert table.notify("r", CONSUMED, [0], 7, claim_id=CLAIM_A) == (LeaseState.CONSUMED, [])  # duplicate: harmless
     assert table.claims == [1, -1] and table.live_count == 0
 
 
@@ -55,30 +65,72 @@ async def test_expiry_does_not_assume_publish_order(table):
     watcher = asyncio.ensure_future(collect(table, 1))
     await asyncio.sleep(0)  # the watcher task subscribes
     table.publish("long", [[1]], 0.4)
-    table.publish("short", [[2]], 0.1)
-    table.notify("short", "heartbeat", [], 7)  # extends "short" past "long" (default ttl 5 s)
+    short = table.publish("short", [[2]], 0.1)
+    table.notify("short", HEARTBEAT, [], 7, token=short.token)  # extends "short" past "long" (default ttl 5 s)
     (ev,) = await watcher
     assert (ev.request_id, ev.reason) == ("long", LeaseState.EXPIRED)
     assert table.get("short").state is LeaseState.OFFERED
 
 
 async def test_claim_refusals(table):
-    table.publish("r", [[1]], 0.05)
+    token = table.publish("r", [[1]], 0.05).token
     await asyncio.sleep(0.15)
     with pytest.raises(FailedPrecondition) as e:
-        table.claim("r", 7, "D", 2, None)
+        claim(table, "r", token=token)
     assert e.value.reason == "LEASE_EXPIRED" and e.value.metadata["state"] == "expired"
     table.publish("q", [[1]], None)
     with pytest.raises(FailedPrecondition) as e:
-        table.claim("q", 8, "D", 2, None)
+        claim(table, "q", epoch=8)
     assert e.value.reason == "LEASE_EXPIRED" and e.value.metadata["server_epoch"] == "7"
     with pytest.raises(FailedPrecondition) as e:
-        table.claim("q", 7, "D", 3, None)
+        claim(table, "q", tp=3)
     assert e.value.reason == "TP_NOT_DIVISIBLE"
-    table.claim("q", 7, "D", 2, None)
+    with pytest.raises(PermissionDenied) as e:
+        claim(table, "q", token="0" * 32)
+    assert e.value.reason == "LEASE_TOKEN_MISMATCH"
+    claim(table, "q")
     with pytest.raises(FailedPrecondition) as e:
-        table.claim("q", 7, "other", 2, None)
+        claim(table, "q", CLAIM_B, engine="other")
     assert e.value.reason == "LEASE_CLAIMED"
+
+
+async def test_a_lease_has_one_owner_per_d_rank(table):
+    table.publish("r", [[1]], None)
+    claim(table, "r")
+    claim(table, "r")  # the same claim again (a retried ClaimLease): granted, nothing changes
+    with pytest.raises(FailedPrecondition) as e:
+        claim(table, "r", CLAIM_B)  # a second transfer of the same request
+    assert e.value.reason == "LEASE_CLAIMED" and e.value.metadata["ranks"] == "0,1"
+    for kind in (CONSUMED, ABORTED, HEARTBEAT):
+        with pytest.raises(PermissionDenied) as e:
+            table.notify("r", kind, [0, 1], 7, claim_id=CLAIM_B)  # not the owner
+        assert e.value.reason == "LEASE_NOT_OWNER"
+        with pytest.raises(PermissionDenied):
+            table.notify("r", kind, [0, 1], 7, token=table.get("r").token)  # the token no longer suffices
+    assert table.get("r").state is LeaseState.CLAIMED
+    assert table.notify("r", CONSUMED, [0, 1], 7, claim_id=CLAIM_A) == (LeaseState.CONSUMED, [])
+
+
+async def test_disjoint_claims_of_one_engine_split_over_servers(table):
+    table.publish("r", [[1]], None)
+    claim(table, "r", CLAIM_A, ranks=[0])
+    claim(table, "r", CLAIM_B, ranks=[1])
+    with pytest.raises(InvalidArgument) as e:
+        table.notify("r", CONSUMED, [1], 7, claim_id=CLAIM_A)  # only its own ranks
+    assert e.value.reason == "RANK_NOT_CLAIMED"
+    assert table.notify("r", CONSUMED, [0], 7, claim_id=CLAIM_A) == (LeaseState.CLAIMED, [1])
+    assert table.notify("r", CONSUMED, [1], 7, claim_id=CLAIM_B) == (LeaseState.CONSUMED, [])
+
+
+async def test_unclaimed_lease_needs_its_token(table):
+    lease = table.publish("r", [[1]], None)
+    with pytest.raises(PermissionDenied) as e:
+        table.notify("r", ABORTED, [], 7)  # a request id alone grants nothing
+    assert e.value.reason == "LEASE_TOKEN_MISMATCH"
+    with pytest.raises(FailedPrecondition) as e:
+        table.notify("r", CONSUMED, [0], 7, token=lease.token)
+    assert e.value.reason == "LEASE_NOT_CLAIMED"
+    assert table.notify("r", ABORTED, [], 7, token=lease.token)[0] is LeaseState.ABORTED
 
 
 async def test_publish_refusals(table):
@@ -93,18 +145,42 @@ async def test_publish_refusals(table):
         table.publish("", [[1]], None)
 
 
+async def test_live_leases_are_capped_and_tombstones_keep_no_blocks():
+    t = LeaseTable(epoch=1, hosted_ranks=[0], tp_size=1, max_live=3)
+    for i in range(3):
+        t.publish(f"r{i}", [list(range(1000))], None)
+    with pytest.raises(KvsvcError) as e:
+        t.publish("one-more", [[1]], None)
+    assert (e.value.code, e.value.reason) == (ErrorCode.RESOURCE_EXHAUSTED, "TOO_MANY_LEASES")
+    t.notify("r0", ABORTED, [], 1, token=t.get("r0").token)
+    assert isinstance(t._dead["r0"], Tombstone) and not hasattr(t._dead["r0"], "block_ids")
+    t.publish("one-more", [[1]], None)  # room again
+
+
+async def test_drain_refuses_publishes_and_waits_for_claims(table):
+    table.publish("r", [[1]], None)
+    claim(table, "r")
+    drain = asyncio.ensure_future(table.drain(5.0))
+    await asyncio.sleep(0.05)
+    assert not drain.done(), "a claimed lease may still be read"
+    with pytest.raises(Unavailable) as e:
+        table.publish("late", [[2]], None)
+    assert e.value.reason == "SHUTTING_DOWN"
+    table.notify("r", CONSUMED, [0, 1], 7, claim_id=CLAIM_A)
+    assert await asyncio.wait_for(drain, 1.0) == 0
+
+
 async def test_abort_releases_and_epoch_mismatch_reports_expired(table):
     table.publish("r", [[1]], None)
-    table.claim("r", 7, "D", 1, None)
-    assert table.notify("r", "aborted", [], 7)[0] is LeaseState.ABORTED
-    assert table.notify("r", "consumed", [0], 99) == (LeaseState.EXPIRED, [])
-    assert table.notify("nope", "consumed", [0], 7) == (None, [])
+    claim(table, "r", tp=1)
+    assert table.notify("r", ABORTED, [], 7, claim_id=CLAIM_A)[0] is LeaseState.ABORTED
+    assert table.notify("r", CONSUMED, [0], 99, claim_id=CLAIM_A) == (LeaseState.EXPIRED, [])
+    assert table.notify("nope", CONSUMED, [0], 7) == (None, [])
     assert table.claims == [1, -1]
 
 
-async def test_notify_rank_out_of_range(table):
+async def test_claim_rank_out_of_range(table):
     table.publish("r", [[1]], None)
-    table.claim("r", 7, "D", 2, None)
     with pytest.raises(InvalidArgument) as e:
-        table.notify("r", "consumed", [5], 7)
+        claim(table, "r", ranks=[5])
     assert e.value.reason == "RANK_OUT_OF_RANGE"
