@@ -110,6 +110,18 @@ def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[RemoteRank,
     return out
 
 
+async def _settle_post(post: asyncio.Future[InFlight]) -> bool:
+    """Wait out a READ being posted (even if cancelled again); True when it was posted."""
+    while not post.done():
+        try:
+            await asyncio.shield(post)
+        except asyncio.CancelledError:
+            continue
+        except Exception:
+            return False
+    return post.exception() is None
+
+
 def _deadline(time_remaining_s: float | None) -> float:
     """The job's own deadline (monotonic): the caller's, less a margin to answer in."""
     if time_remaining_s is None:
@@ -233,7 +245,16 @@ class Decoder:
             marks.append(("claim", time.perf_counter()))
             for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
-                fl = await data.read(t, rr.agent_name, la, ra, ln, notif, rr.memory_kind, rr.device_id)
+                post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, notif, rr.memory_kind,
+                                                       rr.device_id))
+                try:
+                    fl = await asyncio.shield(post)
+                except asyncio.CancelledError:
+                    # Cancelled while the NIXL thread posts: the READ runs anyway, so it must be
+                    # known here to be settled before anyone hears the blocks are free.
+                    if not post.cancelled() and (post.done() or await _settle_post(post)):
+                        posted.append(Posted(t, post.result(), int(ln.sum()), int(ln.size)))
+                    raise
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
             waits = asyncio.gather(*(x.flight.result for x in posted))

@@ -31,6 +31,7 @@ def enable_protocol_log() -> Path | None:
     inherited = os.environ.get(_OWNER) not in (None, str(os.getpid()))
     if not inherited and ("UCX_PROTO_INFO" in os.environ or "UCX_LOG_FILE" in os.environ):
         return None if _OWNER not in os.environ else Path(os.environ["UCX_LOG_FILE"])
+    remove_orphan_logs()
     path = Path(tempfile.gettempdir()) / f"kvsvc-ucx-{os.getpid()}.log"
     os.environ["UCX_PROTO_INFO"] = "y"
     os.environ["UCX_LOG_FILE"] = str(path)
@@ -70,6 +71,28 @@ def _flush_stdio() -> None:
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):
         pass
+
+
+def remove_orphan_logs() -> list[Path]:
+    """Delete the logs of kvsvc processes that died without cleaning up (kill -9); returns them."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob("kvsvc-ucx-*.log"):
+        pid = path.stem.removeprefix("kvsvc-ucx-")
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_log(path: Path | None) -> None:

@@ -1,0 +1,331 @@
+"""Trust under retries, faults and hostile input, over real server processes (docs/RELIABILITY.md).
+
+Each test names the promise it checks: one owner per lease, peers never pulled from
+under transfers, flat file descriptors, bounded fields, settled blocks after a
+cancellation, leases that only their holders can touch, typed errors for dead peers
+and malformed bytes, a prefill server that drains before it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvsvc.cli.procs import start_server
+from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.codec import layout_to_proto
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
+from kvsvc.layout import layout_from_dict
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from tests.e2e.harness import Engine, ReleaseWatch, layout_table, servers, session
+from tests.e2e.stamps import holds, stamp
+
+SMALL = layout_table(k=4, nb=64)
+# 1 MiB blocks (8 layers x K and V x 64 KiB): a 64-block request takes tens of ms to read here.
+BIG = layout_table(k=8, head=128, block=16, layers=8, nb=200)
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_concurrent_duplicate_transfers_never_report_wrong_bytes():
+    """Item 1: a router retrying while the first attempt runs; P reuses blocks as soon as they are released."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with session(p, d) as s:
+            pm, dm = s.pe.mem[0], s.de.mem[0]
+            outcomes = []
+            for trial in range(20):
+                seed = trial + 1
+                stamp(pm, [1, 2, 3], seed)
+                pub = await s.pc.publish_blocks(f"dup{trial}", [[1, 2, 3]])
+                reused = asyncio.ensure_future(_reuse_on_release(s.watch, f"dup{trial}", pm, [1, 2, 3]))
+                # Same D request id (a retry) and a different one (a second router), at once.
+                runs = await asyncio.gather(
+                    s.dc.transfer(f"d{trial}", pub.params, [[10, 11, 12]]),
+                    s.dc.transfer(f"d{trial}", pub.params, [[10, 11, 12]]),
+                    s.dc.transfer(f"x{trial}", pub.params, [[20, 21, 22]]),
+                    return_exceptions=True)
+                await reused
+                first, retry, other = runs
+                assert not isinstance(first, BaseException), first
+                assert retry == first, "a retry joins the running transfer and gets its outcome"
+                assert holds(dm, [10, 11, 12], seed)
+                if isinstance(other, BaseException):
+                    assert isinstance(other, KvsvcError) and other.reason in ("LEASE_CLAIMED", "LEASE_EXPIRED"), other
+                else:  # it may only succeed by reading the right bytes (it cannot, once claimed: refused)
+                    assert holds(dm, [20, 21, 22], seed)
+                outcomes.append(type(other).__name__)
+                assert (await s.pc.get_info()).live_leases == 0
+            assert "FailedPrecondition" in outcomes
+
+
+async def _reuse_on_release(watch: ReleaseWatch, rid: str, mem, ids: list[int]) -> None:
+    """The P engine writes another request into the blocks the moment they come back."""
+    await watch.wait_for(rid, timeout_s=10)
+    stamp(mem, ids, 999_999)
+
+
+async def test_stale_epoch_breaks_nobody_and_keeps_fds_flat():
+    """Items 2 and 3: stale params after a restart never disturb transfers in flight; no socket leaks."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([[1]])
+            warm = await s.pc.publish_blocks("warm", [[1]])
+            await s.dc.transfer("d-warm", warm.params, [[2]])
+            before = (fds(p.proc.pid), fds(d.proc.pid))
+
+            async def good(i: int) -> None:
+                pub = await s.pc.publish_blocks(f"g{i}", [[i % 8 + 1]])
+                await s.dc.transfer(f"d-g{i}", pub.params, [[i % 8 + 20]])
+
+            async def stale(i: int) -> str:
+                pub = await s.pc.publish_blocks(f"s{i}", [[i % 8 + 30]])
+                pub.params.remote_epoch = 12345 + i
+                with pytest.raises(FailedPrecondition) as e:
+                    await s.dc.transfer(f"d-s{i}", pub.params, [[i % 8 + 40]])
+                return e.value.reason
+
+            for round_ in range(5):
+                out = await asyncio.gather(*(good(100 * round_ + i) for i in range(20)),
+                                           *(stale(100 * round_ + i) for i in range(20)), return_exceptions=True)
+                assert [o for o in out if isinstance(o, BaseException)] == []
+                assert set(out[20:]) == {"LEASE_EXPIRED"}
+            for i in range(200):
+                await stale(1000 + i)
+            after = (fds(p.proc.pid), fds(d.proc.pid))
+            assert after == before, f"file descriptors grew: {before} -> {after}"
+            # P leases of the stale requests are released at once (D aborted them), not at TTL.
+            assert (await s.pc.get_info()).live_leases <= 300
+
+
+async def test_every_field_is_bounded_with_a_typed_error():
+    """Item 4: oversized fields are INVALID_ARGUMENT (FIELD_TOO_LARGE) before any work; details stay small."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with AsyncClient(p.address, ClientOptions(retries=0)) as pc, \
+                AsyncClient(d.address, ClientOptions(retries=0)) as dc:
+            layout = layout_to_proto(layout_from_dict(SMALL, 1))
+            started = time.monotonic()
+            with pytest.raises(InvalidArgument) as e:
+                await dc.plan_transfer(pb.PlanTransferRequest(
+                    inline_remote=pb.InlineRemote(layout=layout, tp_size=1 << 26),
+                    local_block_ids_per_group=[pb.BlockIds(block_ids=[1])],
+                    remote_block_ids_per_group=[pb.BlockIds(block_ids=[1])]))
+            assert e.value.reason == "FIELD_TOO_LARGE" and e.value.metadata["field"] == "inline_remote.tp_size"
+            assert time.monotonic() - started < 5
+            with pytest.raises(InvalidArgument) as e:
+                await pc.claim_lease(pb.ClaimLeaseRequest(request_id="r", lease_epoch=1, engine_id="D",
+                                                          tp_size=1 << 24, claim_id="c" * 32))
+            assert e.value.reason == "FIELD_TOO_LARGE"
+            for size in (8 << 10, 4 << 20):
+                with pytest.raises(InvalidArgument) as e:
+                    await pc.publish_blocks("r" * size, [[1]])
+                assert e.value.reason == "FIELD_TOO_LARGE" and len(str(e.value)) < 4096
+                params = pb.TransferParams(remote_address=p.address, remote_request_id="q" * size, remote_epoch=1)
+                with pytest.raises(InvalidArgument) as e:
+                    await dc.transfer("d" * size, params, [[1]])
+                assert e.value.reason == "FIELD_TOO_LARGE"
+            with pytest.raises(InvalidArgument) as e:
+                await pc.publish_blocks("many", [list(range(64))] * 20_000)
+            assert e.value.reason == "FIELD_TOO_LARGE"
+            async with grpc.aio.insecure_channel(p.address) as ch:
+                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert (await pc.get_info()).live_leases == 0
+
+
+async def test_random_cancellations_never_write_after_settled():
+    """Item 5: after WaitTransfer says settled, nothing writes into the request's blocks."""
+    with servers(1, 1, BIG) as (p, d):
+        async with session(p, d) as s:
+            pm, dm = s.pe.mem[0], s.de.mem[0]
+            stamp(pm, list(range(64)), 7)
+            rng = random.Random(5)
+            late_writes = 0
+            states = []
+            for trial in range(30):
+                dst = list(range(100, 164))
+                dm.buf[:] = 0xAB
+                pub = await s.pc.publish_blocks(f"c{trial}", [list(range(64))])
+                call = asyncio.ensure_future(s.dc.transfer(f"dc{trial}", pub.params, [dst], timeout_s=60))
+                await asyncio.sleep(rng.uniform(0, 0.04))
+                call.cancel()
+                try:
+                    await call
+                    states.append("done")
+                    continue
+                except (asyncio.CancelledError, KvsvcError):
+                    pass
+                settled = await s.dc.wait_transfer(f"dc{trial}", wait_ms=30_000)
+                assert settled.state != pb.TRANSFER_STATE_RUNNING
+                if settled.state == pb.TRANSFER_STATE_UNKNOWN:
+                    # The Transfer never reached D, so nobody claimed P's lease: the engine, which
+                    # holds the params, lets it go with the lease token.
+                    await s.pc.notify(pb.NotifyRequest(request_id=f"c{trial}", kind=pb.NOTIFY_KIND_ABORTED,
+                                                       engine_id="e2e-decode", tp_size=1, lease_epoch=pub.params.remote_epoch,
+                                                       lease_token=pub.params.lease_token))
+                states.append(pb.TransferState.Name(settled.state))
+                snapshot = bytes(dm.buf)
+                await asyncio.sleep(0.1)
+                late_writes += bytes(dm.buf) != snapshot
+            assert late_writes == 0, f"{late_writes} transfers wrote after they were reported settled"
+            assert "TRANSFER_STATE_FAILED" in states
+            for _ in range(50):  # every cancelled claim was aborted at P
+                if (await s.pc.get_info()).live_leases == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await s.pc.get_info()).live_leases == 0
+
+
+async def test_wait_transfer_fences_unknown_ids():
+    """Item 5: asking about an id first makes a Transfer with it that arrives later harmless."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with session(p, d) as s:
+            assert (await s.dc.wait_transfer("late", wait_ms=0)).state == pb.TRANSFER_STATE_UNKNOWN
+            pub = await s.pc.publish_blocks("late-p", [[1]])
+            with pytest.raises(FailedPrecondition) as e:
+                await s.dc.transfer("late", pub.params, [[2]])
+            assert e.value.reason == "TRANSFER_FENCED"
+            ok = await s.dc.transfer("fresh", pub.params, [[2]])
+            assert (await s.dc.wait_transfer("fresh", wait_ms=0)).result == ok
+            with pytest.raises(KvsvcError) as e:
+                await s.dc.transfer("fresh", pub.params, [[3]])  # the same id asking something else
+            assert e.value.code is ErrorCode.ALREADY_EXISTS and e.value.reason == "TRANSFER_EXISTS"
+
+
+async def test_a_request_id_alone_grants_nothing():
+    """Item 6 (plaintext): aborting or claiming someone's lease needs its token; claims need their owner."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with session(p, d) as s:
+            pub = await s.pc.publish_blocks("victim", [[1]])
+            epoch = pub.params.remote_epoch
+            with pytest.raises(PermissionDenied) as e:
+                await s.pc.notify(pb.NotifyRequest(request_id="victim", kind=pb.NOTIFY_KIND_ABORTED, engine_id="x",
+                                                   tp_size=1, lease_epoch=epoch))
+            assert e.value.reason == "LEASE_TOKEN_MISMATCH"
+            with pytest.raises(PermissionDenied):
+                await s.pc.claim_lease(pb.ClaimLeaseRequest(request_id="victim", lease_epoch=epoch, engine_id="x",
+                                                            tp_size=1, claim_id="z" * 32))
+            mine = pb.ClaimLeaseRequest(request_id="victim", lease_epoch=epoch, engine_id="D", tp_size=1,
+                                        lease_token=pub.params.lease_token, claim_id="m" * 32)
+            await s.pc.claim_lease(mine)
+            # Another holder of the params (a second D) can neither claim nor abort the owned lease.
+            with pytest.raises(FailedPrecondition) as e:
+                await s.dc.transfer("d-victim", pub.params, [[2]])
+            assert e.value.reason == "LEASE_CLAIMED"
+            with pytest.raises(PermissionDenied) as e:
+                await s.pc.notify(pb.NotifyRequest(request_id="victim", kind=pb.NOTIFY_KIND_ABORTED, engine_id="D",
+                                                   tp_size=1, lease_epoch=epoch, lease_token=pub.params.lease_token))
+            assert e.value.reason == "LEASE_NOT_OWNER"
+            done = await s.pc.notify(pb.NotifyRequest(request_id="victim", kind=pb.NOTIFY_KIND_ABORTED, engine_id="D",
+                                                      tp_size=1, lease_epoch=epoch, claim_id="m" * 32))
+            assert done.state == pb.LEASE_STATE_ABORTED
+
+
+async def test_prefill_killed_mid_transfer_is_peer_unavailable():
+    """Item 7: a P that dies while D reads is PEER_UNAVAILABLE (retryable), never INTERNAL."""
+    reasons = []
+    for trial in range(3):
+        p = start_server(engine_id="kill-p", role="prefill", tp_size=1, layout=BIG)
+        d = start_server(engine_id="kill-d", role="decode", tp_size=1, layout=BIG)
+        try:
+            async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+                warm = await pc.publish_blocks("warm", [[1]])
+                await dc.transfer("d-warm", warm.params, [[2]])
+                pub = await pc.publish_blocks("big", [list(range(128))])
+                call = asyncio.ensure_future(dc.transfer("d-big", pub.params, [list(range(128))], timeout_s=60))
+                await asyncio.sleep(0.005 * trial)
+                p.kill()
+                try:
+                    await call
+                    reasons.append("OK")  # finished before the kill: legitimate
+                except KvsvcError as e:
+                    assert (e.code, e.reason) == (ErrorCode.UNAVAILABLE, "PEER_UNAVAILABLE"), e
+                    failure = [x for x in e.details if isinstance(x, pb.TransferFailure)]
+                    assert failure and not failure[0].valid_local_block_ids_per_group
+                    reasons.append(e.reason)
+                assert (await dc.get_info()).engine_id == "kill-d"
+        finally:
+            assert d.stop() == 0
+            p.stop()
+    assert "PEER_UNAVAILABLE" in reasons
+
+
+async def test_malformed_bytes_are_invalid_argument():
+    """Item 7: bytes that are not the request message get MALFORMED_REQUEST, not UNKNOWN and a traceback."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            for method in ("GetInfo", "PublishBlocks", "Notify", "Transfer", "WaitTransfer"):
+                call = ch.unary_unary(f"/kvsvc.v1.KvTransferService/{method}")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"\xff\xff\xff\xff\x0f", timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "MALFORMED_REQUEST" in e.value.details()
+    assert not any("Traceback" in line for line in p.output)
+
+
+async def test_sigterm_drains_claimed_leases_first():
+    """Item 7: SIGTERM on P: NOT_SERVING, no new publishes, claimed leases finish, then exit."""
+    p = start_server(engine_id="drain-p", role="prefill", tp_size=1, layout=SMALL)
+    try:
+        async with AsyncClient(p.address, ClientOptions(retries=0)) as pc:
+            pub = await pc.publish_blocks("held", [[1]])
+            claim = pb.ClaimLeaseRequest(request_id="held", lease_epoch=pub.params.remote_epoch, engine_id="D",
+                                         tp_size=1, lease_token=pub.params.lease_token, claim_id="k" * 32)
+            await pc.claim_lease(claim)
+            p.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert p.proc.poll() is None, "P must wait for the claimed lease"
+            with pytest.raises(Unavailable) as e:
+                await pc.publish_blocks("new", [[2]])
+            assert e.value.reason == "SHUTTING_DOWN"
+            async with grpc.aio.insecure_channel(p.address) as ch:
+                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await pc.notify(pb.NotifyRequest(request_id="held", kind=pb.NOTIFY_KIND_CONSUMED, engine_id="D",
+                                             tp_size=1, done_ranks=[0], lease_epoch=pub.params.remote_epoch,
+                                             claim_id="k" * 32))
+        assert p.proc.wait(15) == 0
+    finally:
+        p.stop()
+
+
+def test_killed_servers_leave_no_ucx_logs():
+    """Item 7: a server killed with -9 cannot clean up; the next one to start removes its log."""
+    victim = start_server(engine_id="log-victim", role="both", tp_size=1, layout=SMALL)
+    victim.kill()
+    victim.stop()  # only closes its pipes: it is dead already
+    log = Path(f"/tmp/kvsvc-ucx-{victim.proc.pid}.log")
+    assert log.exists()
+    nxt = start_server(engine_id="log-next", role="both", tp_size=1, layout=SMALL)
+    try:
+        assert not log.exists()
+    finally:
+        nxt.stop()
+
+
+async def test_decode_engine_split_over_two_servers_claims_disjoint_ranks():
+    """Ownership per D rank: two D servers of one engine hold one lease together."""
+    p = start_server(engine_id="own-p", role="prefill", tp_size=1, layout=SMALL)
+    d0 = start_server(engine_id="own-d", role="decode", tp_size=2, ranks=[0], layout=SMALL)
+    d1 = start_server(engine_id="own-d", role="decode", tp_size=2, ranks=[1], layout=SMALL)
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d0.address) as c0, AsyncClient(d1.address) as c1:
+            pe = await Engine.of(pc)
+            pe.fill([[4, 5]])
+            pub = await pc.publish_blocks("split", [[4, 5]])
+            await asyncio.gather(c0.transfer("d-split", pub.params, [[1, 2]]),
+                                 c1.transfer("d-split", pub.params, [[1, 2]]))
+            assert (await pc.get_info()).live_leases == 0
+            pe.close()
+    finally:
+        for sp in (d1, d0, p):
+            sp.stop()
