@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvsvc.client.errors import error_from_rpc, is_transport_unavailable
+from kvsvc.errors import KvsvcError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -164,11 +165,29 @@ class AsyncClient:
         timeout = timeout_s or max(self.options.timeout_s, wait_ms / 1000 + 5.0)
         return await self._call(self._stub.WaitTransfer, req, timeout)  # type: ignore[no-any-return]
 
+    async def settled(self, request_id: str, error: BaseException | None = None) -> pb.WaitTransferResponse | None:
+        """Return once the transfer request_id can no longer write into its local blocks.
+
+        error is what Transfer raised, if anything: a kvsvc error carrying TransferFailure
+        was answered after the READs settled, so no question is needed (returns None).
+        Otherwise (cancelled, deadline passed on the way, connection lost) this asks
+        WaitTransfer until the answer is not RUNNING.
+        """
+        if isinstance(error, KvsvcError) and any(isinstance(d, pb.TransferFailure) for d in error.details):
+            return None
+        while True:
+            state = await self.wait_transfer(request_id)
+            if state.state != pb.TRANSFER_STATE_RUNNING:
+                return state
+
     async def open_release_stream(self) -> ReleaseStream:
         """Subscribe to WatchReleases; returns once the server has registered the subscription."""
         call = self._stub.WatchReleases(pb.WatchReleasesRequest())
         try:
             await call.initial_metadata()
+            if call.done():  # a refusal comes as a trailers-only answer: headers and the error at once
+                async for _ in call:
+                    pass
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
         return ReleaseStream(call)

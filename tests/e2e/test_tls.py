@@ -85,3 +85,56 @@ async def test_mutual_tls_and_allowed_peers(tmp_path):
     finally:
         p.stop()
         d.stop()
+
+
+async def test_mtls_doors_are_closed(tmp_path):
+    """docs/SECURITY.md: under mTLS a valid certificate is not enough; each door has its owner."""
+    certs = make_pki(tmp_path, ["tls-p", "tls-d", "tls-d2", "intruder"])
+    layout = layout_table(k=4)
+    p = start_server(engine_id="tls-p", role="prefill", tp_size=1, layout=layout,
+                     config_file=server_config(tmp_path, "tls-p", certs, allowed=["tls-d", "tls-d2"]))
+    d = start_server(engine_id="tls-d", role="decode", tp_size=1, layout=layout,
+                     config_file=server_config(tmp_path, "tls-d", certs, allowed=["tls-p"]))
+    # A server that says it is engine tls-p but holds another engine's certificate.
+    fake = start_server(engine_id="tls-p", role="prefill", tp_size=1, layout=layout,
+                        config_file=server_config(tmp_path, "intruder", certs))
+    try:
+        as_ = {n: options(tmp_path, certs, n, retries=0, timeout_s=10) for n in certs}
+        async with AsyncClient(p.address, as_["intruder"]) as intruder:
+            assert not (await intruder.get_info()).pools, "pool handles are for the engine only"
+            for call in (intruder.publish_blocks("x", [[1]]), intruder.open_release_stream()):
+                with pytest.raises(KvsvcError) as e:
+                    await call
+                assert (e.value.code.value, e.value.reason) == ("PERMISSION_DENIED", "NOT_AN_ENGINE")
+        async with AsyncClient(p.address, as_["tls-p"]) as pc, AsyncClient(d.address, as_["tls-d"]) as dc, \
+                AsyncClient(p.address, as_["tls-d"]) as as_d, AsyncClient(p.address, as_["tls-d2"]) as as_d2:
+            assert (await pc.get_info()).pools
+            pub = await pc.publish_blocks("owned", [[1]])
+            epoch, token = pub.params.remote_epoch, pub.params.lease_token
+            await as_d.claim_lease(pb.ClaimLeaseRequest(request_id="owned", lease_epoch=epoch, engine_id="tls-d",
+                                                        tp_size=1, lease_token=token, claim_id="d" * 32))
+            # Another allowed D engine, with the params in hand, cannot abort tls-d's lease.
+            with pytest.raises(KvsvcError) as e:
+                await as_d2.notify(pb.NotifyRequest(request_id="owned", kind=pb.NOTIFY_KIND_ABORTED,
+                                                    engine_id="tls-d2", tp_size=1, lease_epoch=epoch,
+                                                    lease_token=token))
+            assert e.value.reason == "LEASE_NOT_OWNER"
+            # D reads only from allowed P engines...
+            evil = pb.TransferParams(remote_address=p.address, remote_engine_id="evil", remote_request_id="r",
+                                     remote_epoch=epoch, remote_block_ids_per_group=[pb.BlockIds(block_ids=[1])])
+            with pytest.raises(KvsvcError) as e:
+                await dc.transfer("d-evil", evil, [[2]])
+            assert e.value.reason == "PEER_NOT_ALLOWED"
+            # ...and only from a server whose certificate proves it is that engine.
+            impostor = pb.TransferParams(remote_address=fake.address, remote_engine_id="tls-p",
+                                         remote_request_id="r", remote_epoch=1, lease_token=token,
+                                         remote_block_ids_per_group=[pb.BlockIds(block_ids=[1])])
+            with pytest.raises(Unavailable) as e:
+                await dc.transfer("d-fake", impostor, [[2]])
+            assert e.value.reason == "PEER_UNAVAILABLE"
+            with pytest.raises(KvsvcError) as e:
+                await as_d.transfer("d-x", impostor, [[2]])  # tls-d's certificate is not P's engine
+            assert e.value.reason == "NOT_AN_ENGINE"
+    finally:
+        for sp in (fake, d, p):
+            sp.stop()

@@ -261,7 +261,7 @@ async def test_prefill_killed_mid_transfer_is_peer_unavailable():
 
 async def test_malformed_bytes_are_invalid_argument():
     """Item 7: bytes that are not the request message get MALFORMED_REQUEST, not UNKNOWN and a traceback."""
-    with servers(1, 1, SMALL) as (p, d):
+    with servers(1, 1, SMALL) as (p, _d):
         async with grpc.aio.insecure_channel(p.address) as ch:
             for method in ("GetInfo", "PublishBlocks", "Notify", "Transfer", "WaitTransfer"):
                 call = ch.unary_unary(f"/kvsvc.v1.KvTransferService/{method}")

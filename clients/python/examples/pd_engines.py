@@ -97,9 +97,14 @@ class DecodeEngine(Engine):
         ids = self.groups(await self.blocks.take(n))
         try:
             result = await self.client.transfer(request_id, params, ids, timeout_s=30)
-        except KvsvcError as e:  # the blocks hold nothing usable: free them and re-prefill or fail the request
+        except BaseException as e:
+            # The blocks hold nothing usable, but they may be reused only once nothing writes
+            # into them: settled() asks the server unless the error already says so.
+            await asyncio.shield(self.client.settled(request_id, e))
             await self.blocks.give_back(ids[0])
-            raise RuntimeError(f"{request_id}: transfer failed with {e.reason}") from e
+            if isinstance(e, KvsvcError):  # re-prefill or fail the request
+                raise RuntimeError(f"{request_id}: transfer failed with {e.reason}") from e
+            raise
         print(f"  decode: {request_id} got {result.total_bytes} bytes in {result.duration_us} us")
         return ids
 
