@@ -13,6 +13,7 @@ from pathlib import Path
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable
+from kvsvc.limits import check_tp_size
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.service.node import Node
@@ -107,7 +108,7 @@ class PeerCache:
             async with lock:  # single flight: concurrent transfers to one peer share one handshake
                 peer = self._peers.get(address)
                 if peer is not None and peer.epoch != want_epoch:
-                    if await self._current_epoch(peer) == peer.epoch:
+                    if await self._epoch_of(peer.client) == peer.epoch:
                         raise self._remember_stale(address, want_epoch, peer)
                     log.info("peer %s restarted (epoch %d -> new): re-handshaking", address, peer.epoch)
                     self._retire(peer)
@@ -127,10 +128,10 @@ class PeerCache:
             if not lock.locked() and address not in self._peers:
                 self._locks.pop(address, None)  # no state kept for addresses that never answered
 
-    async def _current_epoch(self, peer: Peer) -> int:
-        """P's epoch now (one GetInfo over the cached channel); 0 when P does not answer."""
+    async def _epoch_of(self, client: AsyncClient) -> int:
+        """P's epoch now (one GetInfo over the channel); 0 when P does not answer."""
         try:
-            return int((await peer.client.get_info(timeout_s=min(2.0, self._node.config.peer_timeout_s))).epoch)
+            return int((await client.get_info(timeout_s=min(2.0, self._node.config.peer_timeout_s))).epoch)
         except KvsvcError:
             return 0
 
@@ -197,16 +198,25 @@ class PeerCache:
             resp = await client.handshake(pb.HandshakeRequest(
                 engine_id=node.config.engine_id, tp_size=node.config.tp_size, layout=layout_to_proto(node.layout),
                 layout_hash=node.layout_hash, expected_engine_id=expected_engine_id))
+            check_tp_size(resp.tp_size, "handshake.tp_size")  # a peer's answer is input like any other
             side = Side.of(layout_from_proto(resp.layout, "handshake.layout", resp.tp_size), resp.tp_size)
             validate_pair(node.side, side)  # both sides check: never trust one
             ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions],
                                            "VRAM" if h.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM", h.device_id)
                      for h in resp.ranks}
             peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client)
-            for h in resp.ranks:
-                for t in node.hosted_ranks:
-                    if h.tp_rank in handshake_target_ranks(t, node.config.tp_size, resp.tp_size):
-                        await data.connect(t, h.agent_metadata, h.agent_name)
+            try:
+                for h in resp.ranks:
+                    for t in node.hosted_ranks:
+                        if h.tp_rank in handshake_target_ranks(t, node.config.tp_size, resp.tp_size):
+                            await data.connect(t, h.agent_metadata, h.agent_name)
+            except BaseException as e:
+                # Half-wired: forget what was added. A NIXL failure right after P answered is
+                # most often P going away; say so when P no longer answers.
+                await asyncio.shield(data.forget({r.agent_name for r in ranks.values()}))
+                if isinstance(e, KvsvcError) and not await self._epoch_of(client):
+                    raise Unavailable("UNAVAILABLE", f"lost {address} while connecting: {e.message}") from e
+                raise
         except KvsvcError as e:
             await client.close()
             if e.code is ErrorCode.UNAVAILABLE:
