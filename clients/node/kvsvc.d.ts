@@ -3,7 +3,7 @@
 export interface BlockIds { block_ids: number[] }
 export interface TransferParams {
   remote_address: string; remote_engine_id: string; remote_request_id: string;
-  remote_block_ids_per_group: BlockIds[]; remote_epoch: string; remote_tp_size: number;
+  remote_block_ids_per_group: BlockIds[]; remote_epoch: string; remote_tp_size: number; lease_token: string;
 }
 export interface RegionInfo {
   region_index: number; kind: string; group_index: number; layer_name: string; pool_offset_bytes: string;
@@ -31,6 +31,10 @@ export interface TransferResponse {
   total_bytes: string; duration_us: string;
 }
 export interface NotifyResponse { state: string; pending_ranks: number[] }
+export interface WaitTransferResponse {
+  state: string; result: TransferResponse | null;
+  failure: { valid_local_block_ids_per_group: BlockIds[]; remote_notified: boolean } | null; error_reason: string;
+}
 export interface ReleaseEvent { request_id: string; reason: string; block_ids_per_group: BlockIds[]; released_unix_ms: string }
 
 export class KvsvcError extends Error {
@@ -49,6 +53,8 @@ export class KvsvcClient {
   planTransfer(request: Record<string, unknown>, options?: CallOptions): Promise<PlanTransferResponse>;
   transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[] }, options?: CallOptions): Promise<TransferResponse>;
   notify(request: Record<string, unknown>, options?: CallOptions): Promise<NotifyResponse>;
+  // Settled state of a D-side transfer (after a cancelled or failed Transfer, before reusing its blocks).
+  waitTransfer(request: { request_id: string; wait_ms?: number }, options?: CallOptions): Promise<WaitTransferResponse>;
   watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
   close(): void;
 }

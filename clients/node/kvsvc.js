@@ -77,7 +77,7 @@ function loadService() {
 
 const UNARY = {
   getInfo: 'GetInfo', handshake: 'Handshake', publishBlocks: 'PublishBlocks', claimLease: 'ClaimLease',
-  planTransfer: 'PlanTransfer', transfer: 'Transfer', notify: 'Notify',
+  planTransfer: 'PlanTransfer', transfer: 'Transfer', notify: 'Notify', waitTransfer: 'WaitTransfer',
 };
 
 class KvsvcClient {

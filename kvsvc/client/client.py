@@ -46,6 +46,9 @@ class ClientOptions:
 
     def channel_options(self) -> list[tuple[str, int | str]]:
         opts: list[tuple[str, int | str]] = [
+            # Each channel dials for itself: with gRPC's process-wide subchannel pool a new
+            # channel to a restarted server would inherit the dead one's reconnect backoff.
+            ("grpc.use_local_subchannel_pool", 1),
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.max_receive_message_length", self.max_message_bytes),

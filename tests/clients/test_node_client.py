@@ -42,6 +42,7 @@ async def test_node_transfer_and_lease_expired():
                 assert summary["plan"]["sources"] == [[0, 1]]
                 assert int(summary["transfer"]["total_bytes"]) == int(summary["plan"]["total_bytes"]) > 0
                 assert not de.check([[5, 9, 2]]), "the bytes Node asked for arrived"
+                assert summary["settled"] == "TRANSFER_STATE_SUCCEEDED"
                 error = summary["second_transfer_error"]
                 assert error["code"] == "FAILED_PRECONDITION" and error["reason"] == "LEASE_EXPIRED"
                 assert error["metadata"]["request_id"] == "node-req-1"

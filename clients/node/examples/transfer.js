@@ -1,6 +1,6 @@
 'use strict';
 // Drive a live prefill/decode server pair from Node.js: GetInfo, PublishBlocks,
-// PlanTransfer, Transfer, then a LEASE_EXPIRED case. Prints one JSON summary line.
+// PlanTransfer, Transfer, WaitTransfer, then a LEASE_EXPIRED case. Prints one JSON summary line.
 //   node examples/transfer.js PREFILL_ADDR DECODE_ADDR P_BLOCKS D_BLOCKS   (blocks comma-separated)
 
 const { KvsvcClient, blocks } = require('..');
@@ -19,6 +19,7 @@ async function main() {
       remote_block_ids_per_group: blocks(pBlocks), summary_only: true,
     });
     const result = await d.transfer({ request_id: 'node-d-1', params: pub.params, local_block_ids_per_group: blocks(dBlocks) });
+    const settled = await d.waitTransfer({ request_id: 'node-d-1' });
     let expired = null;
     try {
       await d.transfer({ request_id: 'node-d-2', params: pub.params, local_block_ids_per_group: blocks(dBlocks) });
@@ -32,6 +33,7 @@ async function main() {
       plan: { total_bytes: plan.total_bytes, total_descriptors: plan.total_descriptors,
               sources: plan.rank_plans.map((r) => r.source_ranks) },
       transfer: { total_bytes: result.total_bytes, ranks: result.ranks.map((r) => r.local_rank) },
+      settled: settled.state,
       second_transfer_error: expired,
     }));
   } finally {
