@@ -136,13 +136,15 @@ class TransferJobs:
     def remembered(self) -> int:
         return len(self._done)
 
-    async def close(self) -> None:
-        """Cancel running jobs and wait until they settled (their READs drained)."""
+    async def close(self, timeout_s: float = 15.0) -> None:
+        """Cancel running jobs and wait (at most timeout_s) until they settled (their READs drained)."""
         tasks = [j.task for j in self._running.values() if j.task is not None]
         for t in tasks:
             t.cancel()
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            if pending:
+                log.error("%d transfers did not settle before shutdown", len(pending))
 
     def _prune(self) -> None:
         horizon = time.monotonic() - HISTORY_S

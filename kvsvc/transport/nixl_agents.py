@@ -200,6 +200,10 @@ class NixlDataPlane:
         if self._closed:
             return
         self._closed = True
+        if not self._thread.alive:  # crashed: nothing can be called on it any more
+            self.agents.clear()
+            remove_log(self._ucx_log)
+            return
         for ra in self.agents.values():
             try:
                 await self._thread.call(ra.agent.deregister_memory, ra.reg)

@@ -44,6 +44,11 @@ class TransferError(Exception):
     """A NIXL transfer ended in error (translated to a kvsvc error by the caller's layer)."""
 
 
+def _fail_future(fut: asyncio.Future[Any], error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
+
+
 class NixlThread:
     """Owner of the NIXL thread. start() once; stop() ends it after in-flight work settles."""
 
@@ -74,8 +79,13 @@ class NixlThread:
 
     # ---- asyncio side ---------------------------------------------------------------
 
+    def _check_alive(self) -> None:
+        if self._started and not self._thread.is_alive():
+            raise TransferError("the NIXL thread is not running")
+
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the NIXL thread and await its result (or exception)."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._jobs.put((fn, args, fut, loop))
@@ -83,6 +93,7 @@ class NixlThread:
 
     async def post(self, agent: Any, make_handle: Callable[[], Any]) -> InFlight:
         """Create (on the thread) and post a transfer; the returned InFlight resolves later."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
         fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
         posted: asyncio.Future[InFlight] = loop.create_future()
@@ -214,8 +225,29 @@ class NixlThread:
         except BaseException:
             log.critical("the NIXL thread crashed", exc_info=True)
         finally:
-            if not stopped and self.on_dead is not None:
-                self.on_dead()
+            if not stopped:
+                self._fail_pending()
+                if self.on_dead is not None:
+                    self.on_dead()
+
+    def _fail_pending(self) -> None:
+        """After a crash: fail queued calls and in-flight transfers instead of leaving them hanging."""
+        dead = TransferError("the NIXL thread stopped")
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is _STOP:
+                continue
+            _fn, _args, fut, loop = job
+            if fut is not None:
+                loop.call_soon_threadsafe(_fail_future, fut, dead)
+        for fl in self._inflight:
+            # The result fails, but `settled` stays unset: a READ NIXL was running may still
+            # land (an RDMA NIC does not need this thread), so its blocks are never called free.
+            fl.loop.call_soon_threadsafe(_fail_future, fl.result, dead)
+        self._inflight = []
 
     def _main(self) -> None:
         sleep = PROGRESS_MIN_SLEEP_S

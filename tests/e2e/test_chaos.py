@@ -146,7 +146,7 @@ async def one_transfer(rng: random.Random, i: int, pre: Prefill, dc: AsyncClient
         except BaseException as e:
             tally.error(e)
             await asyncio.shield(dc.settled(f"d{i}", e))
-            if how == "cancel" or isinstance(e, KvsvcError) and e.code is ErrorCode.DEADLINE_EXCEEDED:
+            if how == "cancel" or (isinstance(e, KvsvcError) and e.code is ErrorCode.DEADLINE_EXCEEDED):
                 # The Transfer may never have reached D: nobody claimed, the router aborts.
                 with_token = pb.NotifyRequest(request_id=rid, kind=pb.NOTIFY_KIND_ABORTED, engine_id="r",
                                               tp_size=1, lease_epoch=params.remote_epoch,

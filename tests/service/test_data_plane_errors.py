@@ -157,3 +157,53 @@ async def test_allowed_peers_gate_handshake_claim_and_notify():
                 assert e.value.reason == "PEER_NOT_ALLOWED" and e.value.metadata == {"engine_id": "bad-d"}
     finally:
         await running.stop(0)
+
+
+async def test_health_is_not_serving_when_the_nixl_thread_dies():
+    """The data plane dying under a running server: health says NOT_SERVING, transfers say why."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    running, port = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="dies"))
+    try:
+        thread = running.node.data._thread  # type: ignore[union-attr]
+
+        def crash() -> bool:
+            raise RuntimeError("simulated NIXL crash")
+
+        thread._poll = crash  # the next progress step raises out of the thread's loop
+        thread.need_progress(+1)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for _ in range(100):
+                status = (await stub.Check(health_pb2.HealthCheckRequest())).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.02)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        async with AsyncClient(f"127.0.0.1:{port}", ) as c:
+            with pytest.raises(Unavailable) as e:
+                await c.publish_blocks("r", [[1]])
+            assert e.value.reason == "DATA_PLANE_UNAVAILABLE"
+    finally:
+        await running.stop(0)
+
+
+def test_config_rejects_unknown_keys_and_places_vram_ranks(tmp_path):
+    bad = tmp_path / "typo.toml"
+    bad.write_text('[server]\nlease_ttl = 5\n')
+    with pytest.raises(InvalidArgument) as e:
+        load_config(bad)
+    assert e.value.reason == "INVALID_CONFIG" and "server.lease_ttl" in e.value.message
+    worse = tmp_path / "role.toml"
+    worse.write_text('[server]\nrole = "prefil"\n')
+    with pytest.raises(InvalidArgument):
+        load_config(worse)
+    four = load_config(tp_size=8, ranks=(4, 5, 6, 7))
+    assert [four.device_of(r) for r in four.ranks] == [0, 1, 2, 3]  # one GPU per hosted rank
+    pinned = load_config(tp_size=2, ranks=(0, 1), cuda_devices=(3, 1))
+    assert [pinned.device_of(r) for r in pinned.ranks] == [3, 1]
+    with pytest.raises(InvalidArgument):
+        load_config(tp_size=2, ranks=(0, 1), cuda_devices=(3,))
