@@ -20,6 +20,7 @@ from kvsvc.layout.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from kvsvc.limits import MAX_DIM, MAX_GROUPS, MAX_LAYERS, MAX_NUM_BLOCKS, check_count, check_id, too_big
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -75,7 +76,23 @@ def spec_to_proto(spec: KVCacheSpec) -> pb.KvCacheSpec:
     raise TypeError(f"no wire form for {type(spec).__name__}")
 
 
+def _check_dims(msg: pb.KvCacheSpec, field: str) -> None:
+    kind = msg.WhichOneof("kind")
+    inner = getattr(msg, kind) if kind else None
+    for name in ("num_kv_heads_per_rank", "head_size", "head_size_v", "sliding_window_tokens"):
+        value = getattr(inner, name, 0)
+        if value > MAX_DIM and name != "sliding_window_tokens":
+            raise too_big(f"{field}.{name}", value, MAX_DIM, "")
+    if kind == "mamba":
+        check_count(msg.mamba.states, f"{field}.states", 16)
+        for i, st in enumerate(msg.mamba.states):
+            check_count(st.shape, f"{field}.states[{i}].shape", 8)
+            if any(d > MAX_DIM for d in st.shape):
+                raise too_big(f"{field}.states[{i}].shape", max(st.shape), MAX_DIM, "")
+
+
 def spec_from_proto(msg: pb.KvCacheSpec, block_size: int, field: str) -> KVCacheSpec:
+    _check_dims(msg, field)
     kind = msg.WhichOneof("kind")
     if kind == "full_attention":
         m = msg.full_attention
@@ -118,6 +135,7 @@ def layout_to_proto(layout: EngineLayout) -> pb.KvLayout:
 
 def layout_from_proto(msg: pb.KvLayout, field: str = "layout", tp_size: int | None = None) -> EngineLayout:
     """A validated EngineLayout; INVALID_ARGUMENT naming the bad field otherwise."""
+    _check_layout_sizes(msg, field)
     mem = _enum(_MEM_BACK, msg.kv_memory_layout, f"{field}.kv_memory_layout", "KvMemoryLayout")
     reg = _enum(_REG_BACK, msg.region_layout, f"{field}.region_layout", "RegionLayout")
     groups = tuple(
@@ -129,6 +147,20 @@ def layout_from_proto(msg: pb.KvLayout, field: str = "layout", tp_size: int | No
                           mem, reg)  # type: ignore[arg-type]
     layout.validate(tp_size)
     return layout
+
+
+def _check_layout_sizes(msg: pb.KvLayout, field: str) -> None:
+    """The limits of kvsvc.limits on a layout, before anything is built from it."""
+    check_count(msg.groups, f"{field}.groups", MAX_GROUPS)
+    layers = sum(max(len(g.layer_names), len(g.spec.uniform_type.layers)) for g in msg.groups)
+    if layers > MAX_LAYERS:
+        raise too_big(f"{field}.groups", layers, MAX_LAYERS, "layers")
+    if msg.num_blocks > MAX_NUM_BLOCKS:
+        raise too_big(f"{field}.num_blocks", msg.num_blocks, MAX_NUM_BLOCKS, "blocks")
+    for name in ("total_num_kv_heads", "block_size_tokens"):
+        if getattr(msg, name) > MAX_DIM:
+            raise too_big(f"{field}.{name}", getattr(msg, name), MAX_DIM, "")
+    check_id(msg.model_id, f"{field}.model_id")
 
 
 # ---- regions, blocks, plans ----------------------------------------------------------

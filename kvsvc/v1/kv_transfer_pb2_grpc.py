@@ -114,7 +114,8 @@ class KvTransferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimLease(self, request, context):
-        """Peer-to-peer: D claims P's lease before reading; a claim also extends the lease.
+        """Peer-to-peer: D claims P's lease before reading; a claim also extends the lease. The
+        claim (its claim_id) then owns the lease for its D ranks: LEASE_CLAIMED for others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,7 +129,11 @@ class KvTransferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Transfer(self, request, context):
-        """On D: plan, claim, read with NIXL for every hosted rank, await, notify P.
+        """On D: plan, claim, read with NIXL for every hosted rank, await, notify P. Runs as a
+        job the server owns, keyed by the D-side request id: a retry with the same id, params
+        and blocks joins it (or gets its outcome); the same id asking something else is
+        ALREADY_EXISTS. It answers before the caller's deadline, with a TransferFailure
+        detail once its READs settled; a caller that cancels asks WaitTransfer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

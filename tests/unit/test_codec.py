@@ -47,3 +47,20 @@ def test_missing_spec_kind_rejected():
     with pytest.raises(InvalidArgument) as e:
         layout_from_proto(msg)
     assert e.value.reason == "MISSING_FIELD"
+
+
+def test_layout_sizes_are_bounded_before_anything_is_built():
+    base = layout_to_proto(simple_layout(tp_size=1))
+    for mutate, field in (
+        (lambda m: setattr(m, "num_blocks", 1 << 30), "layout.num_blocks"),
+        (lambda m: setattr(m, "total_num_kv_heads", 1 << 20), "layout.total_num_kv_heads"),
+        (lambda m: m.groups.extend([m.groups[0]] * 100), "layout.groups"),
+        (lambda m: setattr(m.groups[0].spec.full_attention, "head_size", 1 << 30), "layout.groups[0].spec.head_size"),
+        (lambda m: setattr(m, "model_id", "m" * 1000), "layout.model_id"),
+    ):
+        msg = type(base)()
+        msg.CopyFrom(base)
+        mutate(msg)
+        with pytest.raises(InvalidArgument) as e:
+            layout_from_proto(msg, "layout", 1)
+        assert (e.value.reason, e.value.metadata["field"]) == ("FIELD_TOO_LARGE", field)
