@@ -185,6 +185,14 @@ class Decoder:
         job.waiters += 1
         try:
             return await asyncio.shield(job.task)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if job.task.cancelled() and not (task is not None and task.cancelling()):
+                # A retry joined a transfer whose first caller gave up: say so, typed and settled.
+                raise KvsvcError("TRANSFER_CANCELLED", f"request {req.request_id!r} was cancelled by an earlier "
+                                 "caller; use a new request id to try again", {"request_id": req.request_id},
+                                 code=ErrorCode.CANCELLED, details=[pb.TransferFailure()]) from None
+            raise
         finally:
             job.waiters -= 1
             if job.waiters == 0 and not job.task.done():

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 
 from kvsvc.config import MemoryMode, load_config
-from kvsvc.errors import DeadlineExceeded, FailedPrecondition
+from kvsvc.errors import DeadlineExceeded, ErrorCode, FailedPrecondition, KvsvcError
 from kvsvc.layout import build_pool_layout
 from kvsvc.mapping import Side
 from kvsvc.memory.pools import Pool
@@ -149,6 +149,9 @@ async def test_cancel_waits_for_reads_then_aborts(decoder):
     assert all(f.settled.is_set() for f in data.flights)
     assert [n.kind for n in client.notified] == [pb.NOTIFY_KIND_ABORTED]
     assert client.settled_when_notified == [True]
+    with pytest.raises(KvsvcError) as e:  # a late retry of the same request learns what happened
+        await dec.transfer(request(), None)
+    assert (e.value.code, e.value.reason) == (ErrorCode.CANCELLED, "TRANSFER_CANCELLED")
 
 
 async def test_cancel_during_claim_aborts_the_lease(decoder):
