@@ -195,7 +195,14 @@ async def test_soak_with_aborts_duplicates_and_fuzz(tmp_path):
             await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(n))), 600)
             soak_s = time.monotonic() - started
             dups = await duplicate_round(pre, dc, de.mem[0], dpool, tally, rounds=50)
-            fuzz = await fuzz_rpcs(p, d, rng, count=5000)
+            fuzz = await fuzz_rpcs(p, d, rng, count=2500)
+            rss_half = {"p": proc_stats(p.proc.pid)[2], "d": proc_stats(d.proc.pid)[2]}
+            more = await fuzz_rpcs(p, d, rng, count=2500)  # the same again: memory must not keep growing
+            fuzz["rpcs"] = 5000
+            fuzz["seconds"] += more["seconds"]
+            fuzz["internal_or_unknown"] += more["internal_or_unknown"]
+            fuzz["examples_of_bad"] += more["examples_of_bad"]
+            fuzz["answers"] = dict(Counter(fuzz["answers"]) + Counter(more["answers"]))
             assert await wait_until(lambda: _no_leases(pc), 10), "leases left after the soak"
             after = {"p": proc_stats(p.proc.pid), "d": proc_stats(d.proc.pid)}
             await pre.close()
@@ -207,6 +214,7 @@ async def test_soak_with_aborts_duplicates_and_fuzz(tmp_path):
             "internal_or_unknown": len(tally.bad_answers), "failure_reasons": dict(tally.reasons),
             "seconds": round(soak_s, 1), "transfers_per_s": round(n / soak_s),
             "fds_threads_rss_kib_before": before, "fds_threads_rss_kib_after": after,
+            "rss_kib_after_first_2500_fuzzed": rss_half,
         }
         FIGURES["duplicates"] = dups
         FIGURES["fuzz"] = fuzz
@@ -218,6 +226,7 @@ async def test_soak_with_aborts_duplicates_and_fuzz(tmp_path):
             assert after[side][0] <= before[side][0] + 2, (side, before, after)  # fds
             assert after[side][1] <= before[side][1] + 2, (side, before, after)  # threads
             assert after[side][2] <= before[side][2] + 200 * 1024, (side, before, after)  # RSS, KiB
+            assert after[side][2] <= rss_half[side] + 40 * 1024, (side, rss_half, after)  # no steady growth
     finally:
         codes = (p.stop(), d.stop())
     assert codes == (0, 0), "a server crashed:\n" + "".join(p.output[-20:] + d.output[-20:])
