@@ -81,6 +81,9 @@ class ServerConfig:
     """Engine ids this server exchanges KV with (empty: any): on P, who may handshake, claim
     and notify; on D, which P engines a Transfer may read from. With mutual TLS the engine
     id must also be the peer certificate's common name or a DNS name in it."""
+    sibling_servers: tuple[str, ...] = ()
+    """Addresses of this engine's other kvsvc servers (an engine whose ranks sit on several
+    servers). PublishBlocks here fans out to them, so the params name every server."""
     allowed_engines: tuple[str, ...] = ()
     """Under mutual TLS: certificate names that may act as this server's engine (publish,
     watch releases, transfer, see pools). Empty: this server's own engine_id."""
@@ -159,7 +162,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
             for key in ("ranks", "cuda_devices"):
                 if key in srv:
                     kw[key] = tuple(int(r) for r in srv[key])
-            for key in ("allowed_peers", "allowed_engines"):
+            for key in ("allowed_peers", "allowed_engines", "sibling_servers"):
                 if key in srv:
                     kw[key] = tuple(str(p) for p in srv[key])
         except (TypeError, ValueError) as e:

@@ -19,6 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
         ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
         memory=MemoryMode(args.memory) if args.memory else None,
         advertised_address=args.advertise,
+        sibling_servers=tuple(a for a in args.siblings.split(",") if a) if args.siblings else None,
         layout_table=json.loads(args.layout_json) if args.layout_json else None,
     )
     run(cfg)
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranks", help="hosted TP ranks, comma-separated (default: all)")
     s.add_argument("--memory", choices=["dram", "vram", "none"], help="where pools live (none: control plane only)")
     s.add_argument("--layout-json", help="the [layout] table as JSON (overrides the config file)")
+    s.add_argument("--siblings", help="addresses of this engine's other servers, comma-separated (PublishBlocks "
+                   "here leases the request on them too)")
     s.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="print a server's GetInfo readably")

@@ -47,10 +47,38 @@ class ServerProcess:
             self.proc.wait()
 
 
+def split_ranks(tp_size: int, servers: int) -> list[list[int]]:
+    """TP ranks split as evenly as possible over `servers` servers, in order."""
+    if not 1 <= servers <= tp_size:
+        raise ValueError(f"cannot split TP {tp_size} over {servers} servers")
+    return [list(range(tp_size))[i * tp_size // servers:(i + 1) * tp_size // servers] for i in range(servers)]
+
+
+def start_engine(*, engine_id: str, role: str, tp_size: int, layout: Mapping[str, Any], servers: int = 1,
+                 listens: Sequence[str] | None = None, **kw: Any) -> list[ServerProcess]:
+    """An engine as `servers` server processes, ranks split evenly; the first lists the others as
+    siblings (PublishBlocks goes there). listens: fixed addresses (restarts), else free ports."""
+    groups = split_ranks(tp_size, servers)
+    listens = list(listens or ["127.0.0.1:0"] * servers)
+    started: list[ServerProcess] = []
+    try:
+        for ranks, listen in list(zip(groups, listens, strict=True))[1:]:
+            started.append(start_server(engine_id=engine_id, role=role, tp_size=tp_size, layout=layout,
+                                        ranks=ranks, listen=listen, **kw))
+        lead = start_server(engine_id=engine_id, role=role, tp_size=tp_size, layout=layout, ranks=groups[0],
+                            listen=listens[0], siblings=[sp.address for sp in started] if role != "decode" else (),
+                            **kw)
+    except BaseException:
+        for sp in started:
+            sp.stop()
+        raise
+    return [lead, *started]
+
+
 def start_server(
     *, engine_id: str, role: str, tp_size: int, layout: Mapping[str, Any], ranks: Sequence[int] | None = None,
     memory: str = "dram", listen: str = "127.0.0.1:0", extra_env: Mapping[str, str] | None = None,
-    timeout_s: float = 60.0, config_file: str | None = None,
+    timeout_s: float = 60.0, config_file: str | None = None, siblings: Sequence[str] = (),
 ) -> ServerProcess:
     """Spawn a server and wait until it prints its address (raises with its output if it dies)."""
     env = dict(os.environ, **(extra_env or {}))
@@ -60,6 +88,8 @@ def start_server(
         cmd += ["--ranks", ",".join(map(str, ranks))]
     if config_file is not None:
         cmd += ["--config", config_file]
+    if siblings:
+        cmd += ["--siblings", ",".join(siblings)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out: list[str] = []
     deadline = time.monotonic() + timeout_s

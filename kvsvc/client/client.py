@@ -137,7 +137,12 @@ class AsyncClient:
     ) -> pb.PublishBlocksResponse:
         req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=_blocks(block_ids_per_group),
                                       lease_ttl_ms=lease_ttl_ms)
-        return await self._call(self._stub.PublishBlocks, req, timeout_s, idempotent=False)  # type: ignore[no-any-return]
+        return await self.publish_blocks_request(req, timeout_s=timeout_s)
+
+    async def publish_blocks_request(self, request: pb.PublishBlocksRequest, *,
+                                     timeout_s: float | None = None) -> pb.PublishBlocksResponse:
+        """PublishBlocks with a whole request message (never retried: see ClientOptions.retries)."""
+        return await self._call(self._stub.PublishBlocks, request, timeout_s, idempotent=False)  # type: ignore[no-any-return]
 
     async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None) -> pb.ClaimLeaseResponse:
         return await self._call(self._stub.ClaimLease, request, timeout_s)  # type: ignore[no-any-return]

@@ -161,7 +161,8 @@ class LeaseTable:
 
     # ---- operations -----------------------------------------------------------------
 
-    def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None) -> Lease:
+    def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None, token: str = "") -> Lease:
+        """Lease request_id's blocks; token is a sibling server's (one engine, one token), else new."""
         if not request_id:
             raise InvalidArgument("MISSING_FIELD", "request_id must be set", {"field": "request_id"})
         if not self.accepting:
@@ -179,7 +180,7 @@ class LeaseTable:
                                   f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
                                                                     "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
         self._dead.pop(request_id, None)
-        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl, new_lease_token())
+        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl, token or new_lease_token())
         self._live[request_id] = lease
         self._schedule(lease)
         return lease

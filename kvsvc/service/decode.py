@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -27,8 +28,9 @@ from kvsvc.errors import (
 )
 from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_WAIT_MS, check_block_lists, check_id, check_tp_size, clip, too_big
 from kvsvc.mapping.planner import RankPlan
+from kvsvc.service.legs import ClaimState, LeaseClock, Leg, ServerRef, p_servers, servers_needed
 from kvsvc.service.node import Node
-from kvsvc.service.peers import Peer, PeerCache, RemoteRank, peer_client_options
+from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
 from kvsvc.service.transfers import TransferJobs, fingerprint
 from kvsvc.transport.nixl_thread import InFlight
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -58,24 +60,6 @@ UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode
 HEARTBEAT_MIN_INTERVAL_S = 0.05
 
 
-class LeaseClock:
-    """D's view of P's lease deadline, in local monotonic time (no clock skew between hosts)."""
-
-    def __init__(self, remaining_ms: int) -> None:
-        self.renew(remaining_ms)
-
-    def renew(self, remaining_ms: int) -> None:
-        self.deadline = time.monotonic() + remaining_ms / 1000
-
-    @property
-    def remaining_s(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-    @property
-    def expired(self) -> bool:
-        return time.monotonic() > self.deadline
-
-
 class ClaimRefused(Exception):
     """P refused the claim (its lease is not ours to abort); carries P's error."""
 
@@ -92,7 +76,8 @@ class Posted:
     descriptors: int
 
 
-def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]:
+def _addresses(node: Node, ranks: dict[int, RemoteRank],
+               plan: RankPlan) -> list[tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]:
     """(remote rank, local addresses, remote addresses, lengths) per source rank."""
     pool = node.pools[plan.local_rank]
     local_base = np.array([pool.base_address + r.pool_offset for r in node.side.pool.regions], dtype=np.int64)
@@ -100,7 +85,7 @@ def _addresses(node: Node, peer: Peer, plan: RankPlan) -> list[tuple[RemoteRank,
     for reads in plan.reads:
         if not reads.num_descriptors:
             continue
-        rr = peer.ranks.get(reads.remote_rank)
+        rr = ranks.get(reads.remote_rank)
         if rr is None:
             raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill rank {reads.remote_rank} was not in the "
                                      "handshake", {"rank": reads.remote_rank})
@@ -209,47 +194,45 @@ class Decoder:
         return await self.jobs.wait(req.request_id, req.wait_ms / 1000)
 
     async def _run(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
-        p = req.params
-        paired = False
-        try:
-            async with self.peers.use(p.remote_address, p.remote_engine_id, p.remote_epoch) as peer:
-                paired = True
-                return await self._transfer(req, peer, deadline)
-        except FailedPrecondition as e:
-            if not paired and e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE"):
-                self._spawn(self._abort_unpaired(p))  # refused pair: free P's blocks now
-            raise
+        p, node = req.params, self.node
+        needed = servers_needed(p_servers(p), node.hosted_ranks, node.config.tp_size, p.remote_tp_size)
+        async with contextlib.AsyncExitStack() as stack:
+            entered = await asyncio.gather(*(stack.enter_async_context(
+                self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed), return_exceptions=True)
+            failed = [e for e in entered if isinstance(e, BaseException)]
+            if failed:
+                refused = [e for e in failed if isinstance(e, FailedPrecondition)
+                           and e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE")]
+                if refused:
+                    self._spawn(self._abort_unpaired(p, [s for s, _ in needed]))  # refused pair: free P's blocks now
+                raise failed[0]
+            legs = [Leg(peer, d_ranks) for peer, (_, d_ranks) in zip(entered, needed, strict=True)]  # type: ignore[arg-type]
+            return await self._transfer(req, legs, deadline)
 
-    async def _transfer(self, req: pb.TransferRequest, peer: Peer, deadline: float) -> pb.TransferResponse:
+    async def _transfer(self, req: pb.TransferRequest, legs: list[Leg], deadline: float) -> pb.TransferResponse:
         node, data, p = self.node, self.node.require_data_plane("Transfer"), req.params
         started = time.perf_counter()
-        if p.remote_tp_size and p.remote_tp_size != peer.tp_size:
-            raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but {p.remote_address} "
-                                  f"runs TP {peer.tp_size}", {"params_tp_size": p.remote_tp_size,
-                                                              "remote_tp_size": peer.tp_size})
+        side = legs[0].peer.side
+        for leg in legs:
+            if (p.remote_tp_size and p.remote_tp_size != leg.peer.tp_size) or leg.peer.side != side:
+                raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but "
+                                      f"{leg.peer.address} runs TP {leg.peer.tp_size} (or another layout)",
+                                      {"params_tp_size": p.remote_tp_size, "remote_tp_size": leg.peer.tp_size})
         local_ids = block_ids_from_proto(req.local_block_ids_per_group)
         remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
+        ranks = {r: rr for leg in legs for r, rr in leg.peer.ranks.items()}
         try:
-            plans = node.plan(peer.side, local_ids, remote_ids, node.hosted_ranks, validated=True)
-            reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, peer, plan)]
+            plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True)
+            reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
         except (InvalidArgument, FailedPrecondition):
-            self._spawn(self._abort_unpaired(p))  # blocks that cannot be read: free P's now, not at TTL
-            raise
+            self._spawn(self._abort_unpaired(p, [ServerRef(leg.peer.address, leg.peer.epoch, None) for leg in legs]))
+            raise  # blocks that cannot be read: free P's now, not at TTL
         marks = [("plan", time.perf_counter())]
         own = _Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16))
 
         posted: list[Posted] = []
         try:
-            try:
-                claim = await peer.client.claim_lease(pb.ClaimLeaseRequest(
-                    request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id=own.engine_id,
-                    tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id,
-                    ranks=list(node.hosted_ranks)), timeout_s=self._rpc_timeout(deadline))
-            except KvsvcError as e:
-                if e.code not in UNKNOWN_OUTCOME:
-                    raise ClaimRefused(e) from e  # P answered no: nothing of ours to abort
-                raise
-            lease = LeaseClock(claim.lease_remaining_ms)
+            await self._claim_all(legs, own, deadline)
             marks.append(("claim", time.perf_counter()))
             for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
@@ -266,31 +249,25 @@ class Decoder:
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
             waits = asyncio.gather(*(x.flight.result for x in posted))
-            keeper = asyncio.ensure_future(self._heartbeat(peer, own, lease))
+            keepers = [asyncio.ensure_future(self._heartbeat(leg, own)) for leg in legs]
             try:
                 await asyncio.wait_for(waits, max(0.0, deadline - time.monotonic()))
             except TimeoutError as e:
                 raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
                                        {"request_id": req.request_id}) from e
             finally:
-                keeper.cancel()
+                for k in keepers:
+                    k.cancel()
             marks.append(("reads", time.perf_counter()))
-            if lease.expired:
+            if any(leg.clock is not None and leg.clock.expired for leg in legs):
                 raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                          {"request_id": p.remote_request_id})
-            # The lease was held by this claim from claim to here iff P still knows the claim:
-            # P frees blocks only on release, and only this claim_id can release them early.
-            resp = await peer.client.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, list(node.hosted_ranks)),
-                                            timeout_s=self._rpc_timeout(deadline))
-            if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
-                raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server released the blocks "
-                                         f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
-                                         {"request_id": p.remote_request_id, "state": pb.LeaseState.Name(resp.state)})
+            await self._confirm_all(legs, own, deadline)
         except ClaimRefused as e:
             raise e.error from None
         except BaseException as e:
             # A cancelled or lost claim may have gone through: abort it like any failure.
-            final = await self._fail(peer, own, posted, e, deadline)
+            final = await self._fail(legs, own, posted, e, deadline)
             if final is e:
                 raise
             raise final from e
@@ -311,46 +288,91 @@ class Decoder:
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
                                    duration_us=int((time.perf_counter() - started) * 1e6))
 
+    async def _claim_all(self, legs: list[Leg], own: _Ownership, deadline: float) -> None:
+        """Claim at every P server at once; raise if any claim did not hold (ClaimRefused when
+        every server that answered said no, so there is nothing of ours to abort)."""
+        async def claim(leg: Leg) -> None:
+            p = own.params
+            leg.claim = ClaimState.SENT
+            resp = await leg.peer.client.claim_lease(pb.ClaimLeaseRequest(
+                request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
+                tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks),
+                timeout_s=self._rpc_timeout(deadline))
+            leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
+
+        outcomes = await asyncio.gather(*(claim(leg) for leg in legs), return_exceptions=True)
+        errors = []
+        for leg, out in zip(legs, outcomes, strict=True):
+            if isinstance(out, KvsvcError) and out.code not in UNKNOWN_OUTCOME:
+                leg.claim = ClaimState.REFUSED  # P answered no: nothing of ours to abort
+            if isinstance(out, BaseException):
+                errors.append(out)
+        if errors:
+            refused = [e for e in errors if isinstance(e, KvsvcError) and e.code not in UNKNOWN_OUTCOME]
+            if len(refused) == len(errors) and not any(leg.may_hold for leg in legs):
+                raise ClaimRefused(refused[0])
+            raise next((e for e in errors if e not in refused), errors[0])
+
+    async def _confirm_all(self, legs: list[Leg], own: _Ownership, deadline: float) -> None:
+        """CONSUMED at every P server; each must still know our claim (the proof the bytes are good)."""
+        answers = await asyncio.gather(*(leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks),
+                                                                timeout_s=self._rpc_timeout(deadline))
+                                         for leg in legs))
+        for leg, resp in zip(legs, answers, strict=True):
+            if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
+                raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server {leg.peer.address} released the blocks "
+                                         f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
+                                         {"request_id": own.params.remote_request_id,
+                                          "state": pb.LeaseState.Name(resp.state), "address": leg.peer.address})
+
     def _rpc_timeout(self, deadline: float) -> float:
         """A peer RPC's timeout: the configured one, but never past the job's deadline."""
         return max(0.05, min(self.node.config.peer_timeout_s, deadline - time.monotonic()))
 
-    async def _heartbeat(self, peer: Peer, own: _Ownership, lease: LeaseClock) -> None:
-        """Keep P's lease alive while long reads run: HEARTBEAT at a third of the time left."""
+    async def _heartbeat(self, leg: Leg, own: _Ownership) -> None:
+        """Keep one P server's lease alive while long reads run: HEARTBEAT at a third of the time left."""
+        clock = leg.clock
+        if clock is None:
+            return
         while True:
-            await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, lease.remaining_s / 3))
+            await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, clock.remaining_s / 3))
             try:
-                resp = await peer.client.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT))
+                resp = await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch))
             except KvsvcError:
-                log.warning("heartbeat for %s failed", own.params.remote_request_id)
+                log.warning("heartbeat for %s at %s failed", own.params.remote_request_id, leg.peer.address)
                 continue
             if resp.state not in (pb.LEASE_STATE_CLAIMED, pb.LEASE_STATE_OFFERED):
                 return  # released meanwhile: the final notify will say so
-            lease.renew(resp.lease_remaining_ms)
+            clock.renew(resp.lease_remaining_ms)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_unpaired(self, p: pb.TransferParams) -> None:
-        """Best-effort ABORTED to a P we could not pair with (its lease would otherwise wait out its TTL)."""
-        req = pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
-                               engine_id=self.node.config.engine_id, tp_size=self.node.config.tp_size,
-                               lease_epoch=p.remote_epoch, lease_token=p.lease_token)
-        try:
-            opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0, retries=0)
-            async with AsyncClient(p.remote_address, opts) as client:
-                await client.notify(req)
-        except KvsvcError:
-            log.warning("could not tell %s that %s was refused", p.remote_address, p.remote_request_id)
+    async def _abort_unpaired(self, p: pb.TransferParams, servers: list[ServerRef]) -> None:
+        """Best-effort ABORTED to P servers we could not pair with (their leases would otherwise wait out the TTL)."""
+        async def one(s: ServerRef) -> None:
+            req = pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
+                                   engine_id=self.node.config.engine_id, tp_size=self.node.config.tp_size,
+                                   lease_epoch=s.epoch, lease_token=p.lease_token)
+            try:
+                opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0,
+                                           retries=0)
+                async with AsyncClient(s.address, opts) as client:
+                    await client.notify(req)
+            except KvsvcError:
+                log.warning("could not tell %s that %s was refused", s.address, p.remote_request_id)
 
-    async def _fail(self, peer: Peer, own: _Ownership, posted: list[Posted], err: BaseException,
+        await asyncio.gather(*(one(s) for s in servers))
+
+    async def _fail(self, legs: list[Leg], own: _Ownership, posted: list[Posted], err: BaseException,
                     deadline: float) -> BaseException:
-        """Settle posted READs, tell P to let go, and attach which blocks are valid (none).
+        """Settle posted READs, tell every P server that may hold our claim to let go, and
+        attach which blocks are valid (none).
 
-        Returns the error to raise: a read failure whose P no longer answers becomes
-        PEER_UNAVAILABLE (retryable elsewhere), not an internal error.
+        Returns the error to raise: a failure whose P server no longer answers becomes
+        PEER_UNAVAILABLE naming it (retryable elsewhere), not an internal error.
         """
         unsettled = [x.flight for x in posted if not x.flight.settled.is_set()]
         if unsettled:
@@ -365,25 +387,30 @@ class Decoder:
                 await asyncio.shield(waited)
             except asyncio.CancelledError:
                 await asyncio.shield(waited)
-        notified, peer_gone = False, False
-        already_released = isinstance(err, KvsvcError) and err.reason == "LEASE_EXPIRED"
-        if not already_released:
+        timeout = max(0.2, min(2.0, deadline + DEADLINE_MARGIN_FLOOR_S - time.monotonic()))
+
+        async def abort(leg: Leg) -> str:
             try:
-                timeout = max(0.2, min(2.0, deadline + DEADLINE_MARGIN_FLOOR_S - time.monotonic()))
-                await asyncio.shield(peer.client.notify(own.notify(pb.NOTIFY_KIND_ABORTED), timeout_s=timeout))
-                notified = True
+                await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout)
+                return "told"
             except KvsvcError as e:
-                peer_gone = e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED)
-                log.warning("could not tell %s that %s was aborted", peer.address, own.params.remote_request_id)
-            except asyncio.CancelledError:
-                log.warning("could not tell %s that %s was aborted", peer.address, own.params.remote_request_id)
-        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
+                log.warning("could not tell %s that %s was aborted", leg.peer.address, own.params.remote_request_id)
+                return "gone" if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) else "refused"
+
+        owed = [leg for leg in legs if leg.may_hold]
+        try:
+            told = await asyncio.shield(asyncio.gather(*(abort(leg) for leg in owed)))
+        except asyncio.CancelledError:
+            told = ["unknown"] * len(owed)
+        gone = [leg.peer.address for leg, t in zip(owed, told, strict=True) if t == "gone"]
+        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=all(t == "told" for t in told))
         final: BaseException = err
         p_unreachable = isinstance(err, KvsvcError) and err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
         read_failed = isinstance(err, KvsvcError) and err.reason in ("TRANSFER_FAILED", "NIXL_ERROR")
-        if p_unreachable or (read_failed and peer_gone):
-            final = Unavailable("PEER_UNAVAILABLE", f"prefill server {peer.address} stopped answering: "
-                                f"{err}", {"address": peer.address})
+        if p_unreachable or (read_failed and gone):
+            address = gone[0] if gone else legs[0].peer.address
+            final = Unavailable("PEER_UNAVAILABLE", f"prefill server {address} stopped answering: {err}",
+                                {"address": address})
         if isinstance(final, KvsvcError):
             final.details = (*final.details, failure)
         elif not isinstance(final, asyncio.CancelledError):
@@ -400,8 +427,9 @@ class _Ownership:
     tp_size: int
     claim_id: str
 
-    def notify(self, kind: pb.NotifyKind, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
+    def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
+        """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
         p = self.params
         return pb.NotifyRequest(request_id=p.remote_request_id, kind=kind, engine_id=self.engine_id,
-                                tp_size=self.tp_size, done_ranks=done_ranks or [], lease_epoch=p.remote_epoch,
+                                tp_size=self.tp_size, done_ranks=done_ranks or [], lease_epoch=epoch,
                                 lease_token=p.lease_token, claim_id=self.claim_id)

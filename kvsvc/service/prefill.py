@@ -19,6 +19,7 @@ from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.service.auth import require_peer
 from kvsvc.service.node import Node
+from kvsvc.service.siblings import Siblings
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 HANDSHAKE_PROGRESS_S = 5.0
@@ -86,10 +87,12 @@ def _ttl_s(ms: int) -> float | None:
     return ms / 1000 if ms else None
 
 
-def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksResponse:
+async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) -> pb.PublishBlocksResponse:
+    """Lease the blocks here (and, for the engine's own call, on every sibling server)."""
     node.require_role(Role.PREFILL, "PublishBlocks")
     node.require_data_plane("PublishBlocks")
     check_id(req.request_id, "request_id")
+    check_id(req.lease_token, "lease_token")
     check_block_lists([g.block_ids for g in req.block_ids_per_group], "block_ids_per_group")
     groups = [list(g.block_ids) for g in req.block_ids_per_group]
     if len(groups) != len(node.layout.groups):
@@ -98,11 +101,18 @@ def publish(node: Node, req: pb.PublishBlocksRequest) -> pb.PublishBlocksRespons
                                                              "layout_groups": len(node.layout.groups)})
     for g, ids in enumerate(groups):
         check_block_ids(np.asarray(ids, np.int64), node.layout.num_blocks, side="local", group=g)
-    lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms))
+    lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token)
+    servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch)]
+    if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
+        try:
+            servers += await siblings.publish(req, lease.token)
+        except BaseException:
+            node.leases.notify(req.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token)
+            raise
     params = pb.TransferParams(
         remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
         remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
-        remote_tp_size=node.config.tp_size, lease_token=lease.token)
+        remote_tp_size=node.config.tp_size, lease_token=lease.token, remote_servers=servers)
     return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
 
 

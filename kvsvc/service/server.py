@@ -20,6 +20,7 @@ from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer, add_servicer
+from kvsvc.service.siblings import Siblings
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class RunningServer:
     node: Node
     health: health.aio.HealthServicer
     decoder: Decoder
+    siblings: Siblings
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
@@ -59,6 +61,7 @@ class RunningServer:
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)  # 3. in-flight RPCs finish within the grace period
         await self.decoder.close()  # 4. transfers settle, peer channels close
+        await self.siblings.close()
         await self.node.close()  # 5. leases, agents and pools go last, after no RPC can use them
 
 
@@ -82,13 +85,14 @@ async def create_server(
     """
     node = Node(config, external_pools)
     decoder = Decoder(node)
+    siblings = Siblings(node)
     options = [
         *SERVER_OPTIONS_BASE,
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(options=options)
-    servicer = KvTransferServicer(node, decoder)
+    servicer = KvTransferServicer(node, decoder, siblings)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -119,7 +123,7 @@ async def create_server(
         log.warning("PLAINTEXT: %s:%d has no TLS; any process that can reach it may call every RPC (leases are "
                     "still guarded by their tokens). Use this only on a trusted network.", host, port)
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
-    return RunningServer(server, port, node, health_servicer, decoder), port
+    return RunningServer(server, port, node, health_servicer, decoder, siblings), port
 
 
 def void(_: object) -> None:

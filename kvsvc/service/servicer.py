@@ -20,6 +20,7 @@ from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, rpc_errors, to_status
 from kvsvc.service.node import Node
+from kvsvc.service.siblings import Siblings
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -39,13 +40,15 @@ def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> 
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     """Thin: every rule lives in the node, the role modules and the layers below them."""
 
-    def __init__(self, node: Node, decoder: Decoder) -> None:
+    def __init__(self, node: Node, decoder: Decoder, siblings: Siblings) -> None:
         self.node = node
         self.decoder = decoder
+        self.siblings = siblings
 
     @rpc_errors
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         info = self.node.info()
+        info.engine_servers.extend(self.siblings.known.values())
         if not is_engine(self.node, caller_names(context)):
             del info.pools[:]  # shared-memory names and CUDA IPC handles are for the engine only
         return info
@@ -81,7 +84,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self, request: pb.PublishBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishBlocksResponse:
         require_engine(self.node, caller_names(context), "publish blocks")
-        return prefill.publish(self.node, request)
+        return await prefill.publish(self.node, request, self.siblings)
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:

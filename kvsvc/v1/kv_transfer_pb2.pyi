@@ -306,7 +306,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_size", "hosted_ranks", "layout", "layout_hash", "epoch", "pools", "transport", "server_version", "capabilities", "advertised_address", "live_leases")
+    __slots__ = ("engine_id", "role", "tp_size", "hosted_ranks", "layout", "layout_hash", "epoch", "pools", "transport", "server_version", "capabilities", "advertised_address", "live_leases", "engine_servers")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class GetInfoResponse(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     ADVERTISED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SERVERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: Role
     tp_size: int
@@ -333,7 +334,8 @@ class GetInfoResponse(_message.Message):
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     advertised_address: str
     live_leases: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., hosted_ranks: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., transport: _Optional[_Union[TransportInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., advertised_address: _Optional[str] = ..., live_leases: _Optional[int] = ...) -> None: ...
+    engine_servers: _containers.RepeatedCompositeFieldContainer[EngineServer]
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., hosted_ranks: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., transport: _Optional[_Union[TransportInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., advertised_address: _Optional[str] = ..., live_leases: _Optional[int] = ..., engine_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_size", "layout", "layout_hash", "ranks", "expected_engine_id")
@@ -387,8 +389,18 @@ class BlockIds(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class EngineServer(_message.Message):
+    __slots__ = ("address", "ranks", "epoch")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    epoch: int
+    def __init__(self, address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class TransferParams(_message.Message):
-    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token")
+    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers")
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +408,7 @@ class TransferParams(_message.Message):
     REMOTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SERVERS_FIELD_NUMBER: _ClassVar[int]
     remote_address: str
     remote_engine_id: str
     remote_request_id: str
@@ -403,17 +416,20 @@ class TransferParams(_message.Message):
     remote_epoch: int
     remote_tp_size: int
     lease_token: str
-    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
+    remote_servers: _containers.RepeatedCompositeFieldContainer[EngineServer]
+    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ...) -> None: ...
 
 class PublishBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms")
+    __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms", "lease_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     lease_ttl_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, request_id: _Optional[str] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class PublishBlocksResponse(_message.Message):
     __slots__ = ("params", "lease_expires_unix_ms")
