@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from kvsvc.cli.procs import ServerProcess, start_server
+from kvsvc.cli.procs import ServerProcess, split_ranks, start_engine
 from kvsvc.client import AsyncClient
 from kvsvc.client.attach import attach_pool
 from kvsvc.client.client import ReleaseStream
@@ -55,60 +55,83 @@ class Steps:
             print(f"      {text}", flush=True)
 
 
-async def _run(args: argparse.Namespace, p: ServerProcess, d: ServerProcess, steps: Steps) -> bool:
-    async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
-        pinfo, dinfo = await pc.get_info(), await dc.get_info()
-        rng = random.Random(7)
-        p_layout = layout_from_proto(pinfo.layout, tp_size=pinfo.tp_size)
-        d_layout = layout_from_proto(dinfo.layout, tp_size=dinfo.tp_size)
-        p_ids = [rng.sample(range(p_layout.num_blocks), args.blocks)]
-        d_ids = [rng.sample(range(d_layout.num_blocks), args.blocks)]
+async def _run(args: argparse.Namespace, prefill: list[ServerProcess], decode: list[ServerProcess],
+               steps: Steps) -> bool:
+    pcs = [AsyncClient(sp.address) for sp in prefill]
+    dcs = [AsyncClient(sp.address) for sp in decode]
+    try:
+        return await _transfer(args, pcs, dcs, steps)
+    finally:
+        for c in (*pcs, *dcs):
+            await c.close()
 
-        steps.start(f"prefill engine writes {args.blocks} blocks on each of its {pinfo.tp_size} ranks and publishes")
-        p_regions = build_pool_layout(p_layout).regions
-        for pool in pinfo.pools:
+
+async def _transfer(args: argparse.Namespace, pcs: list[AsyncClient], dcs: list[AsyncClient], steps: Steps) -> bool:
+    pinfos = [await c.get_info() for c in pcs]
+    dinfos = [await c.get_info() for c in dcs]
+    pinfo, dinfo = pinfos[0], dinfos[0]
+    rng = random.Random(7)
+    p_layout = layout_from_proto(pinfo.layout, tp_size=pinfo.tp_size)
+    d_layout = layout_from_proto(dinfo.layout, tp_size=dinfo.tp_size)
+    p_ids = [rng.sample(range(p_layout.num_blocks), args.blocks)]
+    d_ids = [rng.sample(range(d_layout.num_blocks), args.blocks)]
+
+    steps.start(f"prefill engine writes {args.blocks} blocks on each of its {pinfo.tp_size} ranks and publishes")
+    p_regions = build_pool_layout(p_layout).regions
+    for info in pinfos:
+        for pool in info.pools:
             with attach_pool(pool) as ap:
-                fill_rank(RankMemory(p_regions, ap.buffer), pool.tp_rank, pinfo.tp_size, p_layout.total_num_kv_heads,
-                          p_ids, p_layout.block_size)
-        stream = await pc.open_release_stream()  # subscribed before anything can be released
-        watch = asyncio.ensure_future(_first_release(stream))
-        pub = await pc.publish_blocks(REQUEST_ID, p_ids)
-        steps.done(f"lease until unix ms {pub.lease_expires_unix_ms}")
+                fill_rank(RankMemory(p_regions, ap.buffer), pool.tp_rank, pinfo.tp_size,
+                          p_layout.total_num_kv_heads, p_ids, p_layout.block_size)
+    # Subscribed on every prefill server before anything can be released.
+    streams = [await c.open_release_stream() for c in pcs]
+    watches = [asyncio.ensure_future(_first_release(s)) for s in streams]
+    pub = await pcs[0].publish_blocks(REQUEST_ID, p_ids)
+    steps.done(f"lease until unix ms {pub.lease_expires_unix_ms}")
+    if len(pub.params.remote_servers) > 1:
+        steps.note("the params name every prefill server: " + ", ".join(
+            f"{s.address} ranks {list(s.ranks)}" for s in pub.params.remote_servers))
 
-        steps.start("decode server plans the transfer")
-        plan = await dc.plan_transfer(pb.PlanTransferRequest(
-            remote_address=p.address, local_block_ids_per_group=[pb.BlockIds(block_ids=d_ids[0])],
-            remote_block_ids_per_group=[pb.BlockIds(block_ids=p_ids[0])], summary_only=True))
-        steps.done()
+    steps.start("decode servers plan the transfer")
+    plans = [await c.plan_transfer(pb.PlanTransferRequest(
+        remote_address=pcs[0].address, local_block_ids_per_group=[pb.BlockIds(block_ids=d_ids[0])],
+        remote_block_ids_per_group=[pb.BlockIds(block_ids=p_ids[0])], summary_only=True)) for c in dcs]
+    steps.done()
+    for plan in plans:
         for rp in plan.rank_plans:
             steps.note(f"decode rank {rp.local_rank}: tp_ratio {rp.tp_ratio}, reads prefill ranks "
                        f"{list(rp.source_ranks)}, notifies {list(rp.handshake_target_ranks)}, "
                        f"{rp.num_descriptors} descriptors, {rp.bytes / 2**20:.2f} MiB")
 
-        steps.start("decode engine calls Transfer (claim, NIXL READ on every rank, notify)")
-        resp = await dc.transfer("decode-req-1", pub.params, d_ids, timeout_s=60)
-        secs = resp.duration_us / 1e6
-        steps.done(f"{resp.total_bytes / 2**20:.2f} MiB in {secs * 1e3:.1f} ms = {resp.total_bytes / secs / 1e9:.2f} GB/s")
+    steps.start("decode engine calls Transfer on each of its servers (claim, NIXL READ on every rank, notify)")
+    resps = await asyncio.gather(*(c.transfer("decode-req-1", pub.params, d_ids, timeout_s=60) for c in dcs))
+    total = sum(r.total_bytes for r in resps)
+    secs = max(r.duration_us for r in resps) / 1e6
+    steps.done(f"{total / 2**20:.2f} MiB in {secs * 1e3:.1f} ms = {total / secs / 1e9:.2f} GB/s")
+    for resp in resps:
         for r in resp.ranks:
             steps.note(f"rank {r.local_rank}: {r.bytes / 2**20:.2f} MiB, {r.num_descriptors} descriptors, "
                        f"{r.duration_us / 1e3:.1f} ms on the wire")
-        transports = (await dc.get_info()).transport.ucx_transports
-        steps.note(f"UCX picked: {', '.join(transports) or 'unknown'} (first transfer to a peer includes wire-up)")
+    transports = (await dcs[0].get_info()).transport.ucx_transports
+    steps.note(f"UCX picked: {', '.join(transports) or 'unknown'} (first transfer to a peer includes wire-up)")
 
-        steps.start("verifying decode pools against the reference")
-        d_regions = build_pool_layout(d_layout).regions
-        errors = []
-        for pool in dinfo.pools:
+    steps.start("verifying decode pools against the reference")
+    d_regions = build_pool_layout(d_layout).regions
+    errors = []
+    for info in dinfos:
+        for pool in info.pools:
             with attach_pool(pool) as ap:
                 errs = check_rank(RankMemory(d_regions, ap.buffer), pool.tp_rank, dinfo.tp_size,
                                   d_layout.total_num_kv_heads, d_ids, d_layout.block_size)
                 errors += [f"rank {pool.tp_rank}: {e}" for e in errs[:5]]
-        steps.done("VERIFIED: every decode rank holds exactly its KV, byte for byte" if not errors else "MISMATCH")
-        for e in errors:
-            print("      " + e, file=sys.stderr)
+    steps.done("VERIFIED: every decode rank holds exactly its KV, byte for byte" if not errors else "MISMATCH")
+    for e in errors:
+        print("      " + e, file=sys.stderr)
+    for info, watch in zip(pinfos, watches, strict=True):
         release = await asyncio.wait_for(watch, 10)
-        steps.note(f"prefill released {release.request_id}: {pb.ReleaseReason.Name(release.reason)}")
-        return not errors
+        steps.note(f"prefill server {info.advertised_address} released {release.request_id}: "
+                   f"{pb.ReleaseReason.Name(release.reason)}")
+    return not errors
 
 
 async def _first_release(stream: ReleaseStream) -> pb.WatchReleasesResponse:
@@ -127,6 +150,11 @@ def check_shape(layout: dict[str, Any], args: argparse.Namespace) -> None:
     validate_pair(Side.of(d_layout, args.decode_tp), Side.of(p_layout, args.prefill_tp))
     if args.blocks <= 0:
         raise InvalidArgument("INVALID_ARGUMENT", f"--blocks must be positive, got {args.blocks}")
+    for side, tp, n in (("prefill", args.prefill_tp, args.prefill_servers), ("decode", args.decode_tp,
+                                                                            args.decode_servers)):
+        if not 1 <= n <= tp:
+            raise InvalidArgument("INVALID_ARGUMENT", f"--{side}-servers must be between 1 and the {side} TP "
+                                  f"size {tp}, got {n}", {"servers": n, "tp_size": tp})
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -137,18 +165,26 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"kvsvc demo: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {kind}, {args.layers} layers, "
               f"head {layout['groups'][0]['head_size']}, {args.dtype}, {args.blocks} blocks x {args.block_size} tokens")
     steps = Steps(5, args.quiet)
-    steps.start("starting a prefill and a decode server (two processes, one NIXL agent per rank)")
-    p = start_server(engine_id="demo-prefill", role="prefill", tp_size=args.prefill_tp, layout=layout)
+    steps.start(f"starting the prefill engine on {args.prefill_servers} and the decode engine on "
+                f"{args.decode_servers} server process(es) (one NIXL agent per rank)")
+    prefill = start_engine(engine_id="demo-prefill", role="prefill", tp_size=args.prefill_tp, layout=layout,
+                           servers=args.prefill_servers)
     try:
-        d = start_server(engine_id="demo-decode", role="decode", tp_size=args.decode_tp, layout=layout)
+        decode = start_engine(engine_id="demo-decode", role="decode", tp_size=args.decode_tp, layout=layout,
+                              servers=args.decode_servers)
     except BaseException:
-        p.stop()
+        for sp in prefill:
+            sp.stop()
         raise
-    steps.done(f"prefill {p.address}, decode {d.address}")
+    steps.done()
+    for name, procs in (("prefill", prefill), ("decode", decode)):
+        for sp, ranks in zip(procs, split_ranks(args.prefill_tp if name == "prefill" else args.decode_tp,
+                                                 len(procs)), strict=True):
+            steps.note(f"{name} ranks {ranks} on {sp.address}")
     try:
-        ok = asyncio.run(_run(args, p, d, steps))
+        ok = asyncio.run(_run(args, prefill, decode, steps))
     finally:
-        codes = (p.stop(), d.stop())
+        codes = [sp.stop() for sp in (*prefill, *decode)]
         if not args.quiet:
-            print(f"stopped both servers (exit codes {codes[0]}, {codes[1]})")
+            print(f"stopped {len(codes)} servers (exit codes {', '.join(map(str, codes))})")
     return 0 if ok else 1

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--blocks", type=int, default=64, help="blocks per request")
     d.add_argument("--block-size", type=int, default=16, help="tokens per block")
     d.add_argument("--dtype", default="bfloat16")
+    d.add_argument("--prefill-servers", type=int, default=1,
+                   help="split the prefill engine's ranks evenly over this many server processes")
+    d.add_argument("--decode-servers", type=int, default=1,
+                   help="split the decode engine's ranks evenly over this many server processes")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=_demo)
 

@@ -195,7 +195,12 @@ class Decoder:
 
     async def _run(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
         p, node = req.params, self.node
-        needed = servers_needed(p_servers(p), node.hosted_ranks, node.config.tp_size, p.remote_tp_size)
+        named = p_servers(p)
+        try:
+            needed = servers_needed(named, node.hosted_ranks, node.config.tp_size, p.remote_tp_size)
+        except FailedPrecondition:
+            self._spawn(self._abort_unpaired(p, named))  # an impossible pair: free P's blocks now
+            raise
         async with contextlib.AsyncExitStack() as stack:
             entered = await asyncio.gather(*(stack.enter_async_context(
                 self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed), return_exceptions=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvsvc.codec import bad_field
 from kvsvc.errors import FailedPrecondition
+from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_TP_SIZE, check_count, check_id
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.service.peers import Peer
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -29,7 +30,16 @@ def p_servers(p: pb.TransferParams) -> list[ServerRef]:
         return [ServerRef(p.remote_address, p.remote_epoch, None)]
     if not p.remote_tp_size:
         raise bad_field("params.remote_tp_size", "must be set when params.remote_servers is", "MISSING_FIELD")
-    return [ServerRef(s.address, s.epoch, frozenset(s.ranks)) for s in p.remote_servers]
+    check_count(p.remote_servers, "params.remote_servers", MAX_TP_SIZE)
+    out = []
+    for i, s in enumerate(p.remote_servers):
+        check_id(s.address, f"params.remote_servers[{i}].address", MAX_ADDRESS_BYTES)
+        if s.address == p.remote_address and s.epoch != p.remote_epoch:
+            # Params edited by hand or stitched from two publishes: trust neither epoch.
+            raise bad_field(f"params.remote_servers[{i}].epoch", f"{s.epoch} contradicts params.remote_epoch "
+                            f"{p.remote_epoch} for the same server", "PARAMS_INCONSISTENT")
+        out.append(ServerRef(s.address, s.epoch, frozenset(s.ranks)))
+    return out
 
 
 def servers_needed(servers: Sequence[ServerRef], hosted: Sequence[int], d_tp: int,

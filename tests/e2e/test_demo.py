@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -13,17 +14,25 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=180)
 
 
-@pytest.mark.parametrize("args", [(), ("--prefill-tp", "1", "--decode-tp", "2", "--mla", "--layers", "2")])
+@pytest.mark.parametrize("args", [
+    (), ("--prefill-tp", "1", "--decode-tp", "2", "--mla", "--layers", "2"),
+    ("--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "4", "--layers", "2", "--blocks", "16",
+     "--prefill-servers", "2", "--decode-servers", "2"),
+])
 def test_demo_verifies(args):
     out = demo(*args)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "VERIFIED" in out.stdout and "RELEASE_REASON_CONSUMED" in out.stdout
-    assert "exit codes 0, 0" in out.stdout
+    assert "VERIFIED" in out.stdout
+    flags = {a: v for a, v in itertools.pairwise(args) if a.startswith("--")}
+    p_servers, d_servers = int(flags.get("--prefill-servers", 1)), int(flags.get("--decode-servers", 1))
+    assert out.stdout.count("RELEASE_REASON_CONSUMED") == p_servers  # once per prefill server
+    assert "exit codes " + ", ".join(["0"] * (p_servers + d_servers)) + ")" in out.stdout
 
 
 @pytest.mark.parametrize(("args", "reason"), [
     (("--kv-heads", "6", "--prefill-tp", "3", "--decode-tp", "2"), "TP_NOT_DIVISIBLE"),
     (("--kv-heads", "6", "--prefill-tp", "4"), "INVALID_LAYOUT"),
+    (("--prefill-tp", "2", "--prefill-servers", "3"), "INVALID_ARGUMENT"),
 ])
 def test_demo_refuses_clearly(args, reason):
     out = demo(*args)

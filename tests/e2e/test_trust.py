@@ -89,7 +89,7 @@ async def test_stale_epoch_breaks_nobody_and_keeps_fds_flat():
 
             async def stale(i: int) -> str:
                 pub = await s.pc.publish_blocks(f"s{i}", [[i % 8 + 30]])
-                pub.params.remote_epoch = 12345 + i
+                pub.params.remote_epoch = pub.params.remote_servers[0].epoch = 12345 + i  # as if P restarted
                 with pytest.raises(FailedPrecondition) as e:
                     await s.dc.transfer(f"d-s{i}", pub.params, [[i % 8 + 40]])
                 return e.value.reason
@@ -140,6 +140,11 @@ async def test_every_field_is_bounded_with_a_typed_error():
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             assert (await pc.get_info()).live_leases == 0
+            stitched = (await pc.publish_blocks("stitched", [[1]])).params
+            stitched.remote_epoch += 1  # contradicts remote_servers[0].epoch
+            with pytest.raises(InvalidArgument) as e:
+                await dc.transfer("d-stitched", stitched, [[2]])
+            assert e.value.reason == "PARAMS_INCONSISTENT"
 
 
 async def test_random_cancellations_never_write_after_settled():

@@ -101,6 +101,15 @@ def request() -> pb.TransferRequest:
                               local_block_ids_per_group=[pb.BlockIds(block_ids=[3, 4])])
 
 
+async def posted(data: FakeData, timeout_s: float = 5.0) -> None:
+    """Wait until the transfer posted its reads (planning takes a while on a loaded machine)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not data.flights:
+        assert loop.time() < end, "reads were never posted"
+        await asyncio.sleep(0.001)
+
+
 def settle_later(data: FakeData, delay_s: float) -> None:
     def settle() -> None:
         for f in data.flights:
@@ -122,8 +131,7 @@ def complete_later(data: FakeData, delay_s: float) -> None:
 async def test_deadline_waits_for_reads_then_aborts(decoder):
     dec, client, data = decoder
     task = asyncio.ensure_future(dec.transfer(request(), 0.2))
-    await asyncio.sleep(0.01)
-    assert data.flights, "reads were posted"
+    await posted(data)
     settle_later(data, 0.2)
     with pytest.raises(DeadlineExceeded) as e:
         await task
@@ -138,7 +146,7 @@ async def test_deadline_waits_for_reads_then_aborts(decoder):
 async def test_cancel_waits_for_reads_then_aborts(decoder):
     dec, client, data = decoder
     task = asyncio.ensure_future(dec.transfer(request(), None))
-    await asyncio.sleep(0.01)
+    await posted(data)
     settle_later(data, 0.1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -186,7 +194,7 @@ async def test_long_reads_keep_the_lease_alive(decoder):
     client.claim_ms = 150
 
     task = asyncio.ensure_future(dec.transfer(request(), None))
-    await asyncio.sleep(0.01)
+    await posted(data)
     complete_later(data, 0.5)
     resp = await task
     kinds = [n.kind for n in client.notified]
@@ -206,7 +214,7 @@ async def test_reads_past_an_unrenewed_lease_fail(decoder):
     client.notify = expired
 
     task = asyncio.ensure_future(dec.transfer(request(), None))
-    await asyncio.sleep(0.01)
+    await posted(data)
     complete_later(data, 0.3)
     with pytest.raises(FailedPrecondition) as e:
         await task
