@@ -48,7 +48,6 @@ DRAIN_WARN_S = 10.0
 DEADLINE_MARGIN = 0.1
 MIN_DEADLINE_MARGIN_S = 0.05
 MAX_DEADLINE_MARGIN_S = 1.0
-DEADLINE_MARGIN_FLOOR_S = MIN_DEADLINE_MARGIN_S
 # A Transfer called without a deadline still ends.
 NO_DEADLINE_S = 600.0
 
@@ -202,14 +201,19 @@ class Decoder:
             self._spawn(self._abort_unpaired(p, named))  # an impossible pair: free P's blocks now
             raise
         async with contextlib.AsyncExitStack() as stack:
-            entered = await asyncio.gather(*(stack.enter_async_context(
-                self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed), return_exceptions=True)
+            try:
+                entered = await asyncio.gather(*(stack.enter_async_context(
+                    self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed),
+                    return_exceptions=True)
+            except asyncio.CancelledError:
+                self._spawn(self._abort_unpaired(p, named))  # given up before any claim: free P's blocks
+                raise
             failed = [e for e in entered if isinstance(e, BaseException)]
             if failed:
                 refused = [e for e in failed if isinstance(e, FailedPrecondition)
                            and e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE")]
-                if refused:
-                    self._spawn(self._abort_unpaired(p, [s for s, _ in needed]))  # refused pair: free P's blocks now
+                if refused or any(isinstance(e, asyncio.CancelledError) for e in failed):
+                    self._spawn(self._abort_unpaired(p, named))  # refused pair: free P's blocks now
                 raise failed[0]
             legs = [Leg(peer, d_ranks) for peer, (_, d_ranks) in zip(entered, needed, strict=True)]  # type: ignore[arg-type]
             return await self._transfer(req, legs, deadline)
@@ -392,7 +396,7 @@ class Decoder:
                 await asyncio.shield(waited)
             except asyncio.CancelledError:
                 await asyncio.shield(waited)
-        timeout = max(0.2, min(2.0, deadline + DEADLINE_MARGIN_FLOOR_S - time.monotonic()))
+        timeout = max(0.2, min(2.0, deadline + MIN_DEADLINE_MARGIN_S - time.monotonic()))
 
         async def abort(leg: Leg) -> str:
             try:
@@ -402,7 +406,10 @@ class Decoder:
                 log.warning("could not tell %s that %s was aborted", leg.peer.address, own.params.remote_request_id)
                 return "gone" if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) else "refused"
 
-        owed = [leg for leg in legs if leg.may_hold]
+        # Every server that did not refuse us: one that holds our claim must hear it, and an
+        # unclaimed lease of a request we gave up on is freed with the token (a lease that
+        # another transfer owns answers LEASE_NOT_OWNER and stays as it is).
+        owed = [leg for leg in legs if leg.claim is not ClaimState.REFUSED]
         try:
             told = await asyncio.shield(asyncio.gather(*(abort(leg) for leg in owed)))
         except asyncio.CancelledError:
