@@ -85,7 +85,11 @@ class TransferJobs:
 
     def start_or_join(self, request_id: str, print_: bytes,
                       run: Callable[[], Coroutine[Any, Any, pb.TransferResponse]]) -> Job:
-        """The job for request_id: the running or finished one if it asked the same, else a new one."""
+        """The job for request_id: the running or finished one if it asked the same, else a new one.
+
+        The same id asking something else is TRANSFER_EXISTS while its transfer runs or after
+        it succeeded; after it failed, a new transfer starts.
+        """
         self._prune()
         job = self._running.get(request_id) or self._done.get(request_id)
         if job is not None:
@@ -93,10 +97,14 @@ class TransferJobs:
                 raise FailedPrecondition("TRANSFER_FENCED", f"request {request_id!r} was reported settled by "
                                          "WaitTransfer before this Transfer arrived; use a new request id",
                                          {"request_id": request_id})
-            if job.fingerprint != print_:
+            if job.fingerprint == print_:
+                return job
+            if job.state is not JobState.FAILED:
                 raise KvsvcError("TRANSFER_EXISTS", f"request {request_id!r} already has a transfer with other "
                                  "params or blocks", {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)
-            return job
+            # Failed and settled: the engine may try the request again with new params (for
+            # example re-prefilled elsewhere after PEER_UNAVAILABLE); the old record goes.
+            self._done.pop(request_id, None)
         job = Job(request_id, print_, None)
         job.task = asyncio.get_running_loop().create_task(run(), name=f"kvsvc-transfer-{request_id[:32]}")
         self._running[request_id] = job
