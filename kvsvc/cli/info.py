@@ -34,6 +34,9 @@ def format_info(info: pb.GetInfoResponse) -> str:
         mem = pb.MemoryKind.Name(p.memory_kind).removeprefix("MEMORY_KIND_")
         where = p.shm_name or f"cuda:{p.device_id}"
         lines.append(f"pool rank {p.tp_rank}  {mem} {where}  {p.size_bytes / 2**20:.1f} MiB, {len(p.regions)} regions")
+    for e in info.engine_servers:
+        known = f"ranks {list(e.ranks)}, epoch {e.epoch}" if e.epoch else "not reached yet"
+        lines.append(f"sibling     {e.address}  ({known})")
     lines.append(f"capabilities {', '.join(info.capabilities)}")
     return "\n".join(lines)
 

@@ -86,6 +86,7 @@ class PeerCache:
         self._node = node
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._lock_users: dict[str, int] = {}  # callers holding or waiting for each lock
         self._stale: dict[str, OrderedDict[int, None]] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -104,6 +105,7 @@ class PeerCache:
         if want_epoch in self._stale.get(address, ()):
             raise self._stale_error(address, want_epoch, self._peers.get(address))
         lock = self._locks.setdefault(address, asyncio.Lock())
+        self._lock_users[address] = self._lock_users.get(address, 0) + 1
         try:
             async with lock:  # single flight: concurrent transfers to one peer share one handshake
                 peer = self._peers.get(address)
@@ -125,8 +127,11 @@ class PeerCache:
                 peer.users += 1
                 return peer
         finally:
-            if not lock.locked() and address not in self._peers:
-                self._locks.pop(address, None)  # no state kept for addresses that never answered
+            self._lock_users[address] -= 1
+            if not self._lock_users[address]:
+                del self._lock_users[address]
+                if address not in self._peers:
+                    self._locks.pop(address, None)  # no state kept for addresses that never answered
 
     async def _epoch_of(self, client: AsyncClient) -> int:
         """P's epoch now (one GetInfo over the channel); 0 when P does not answer."""

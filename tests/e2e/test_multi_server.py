@@ -115,6 +115,10 @@ async def test_getinfo_names_the_engines_other_servers():
         await P.clients[0].publish_blocks("x", [[1]])
         info = await P.clients[0].get_info()
         assert list(info.engine_servers[0].ranks) == [1] and info.engine_servers[0].epoch
+        from kvsvc.cli.info import format_info
+
+        assert f"sibling     {P.procs[1].address}  (ranks [1], epoch {info.engine_servers[0].epoch})" in \
+            format_info(info)
 
 
 async def test_a_p_server_killed_mid_transfer_fails_cleanly():
