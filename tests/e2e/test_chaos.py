@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.errors import error_from_rpc
+from kvsvc.client.leases import abort_published
 from kvsvc.codec import layout_to_proto
 from kvsvc.errors import ErrorCode, KvsvcError
 from kvsvc.layout import layout_from_dict
@@ -148,13 +149,9 @@ async def one_transfer(rng: random.Random, i: int, pre: Prefill, dc: AsyncClient
             await asyncio.shield(dc.settled(f"d{i}", e))
             if how == "cancel" or (isinstance(e, KvsvcError) and e.code is ErrorCode.DEADLINE_EXCEEDED):
                 # The Transfer may never have reached D: nobody claimed, the router aborts.
-                with_token = pb.NotifyRequest(request_id=rid, kind=pb.NOTIFY_KIND_ABORTED, engine_id="r",
-                                              tp_size=1, lease_epoch=params.remote_epoch,
-                                              lease_token=params.lease_token)
-                try:
-                    await pre.client.notify(with_token)
-                except KvsvcError as e2:
-                    tally.reasons[f"router-abort:{e2.reason}"] += 1
+                for answer in (await abort_published(params)).values():
+                    if not answer.startswith("LEASE_STATE_"):
+                        tally.reasons[f"router-abort:{answer}"] += 1
             return
         tally.ok += 1
         if not holds(dmem, dst, seed):

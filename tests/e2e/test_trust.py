@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client.leases import abort_published
 from kvsvc.codec import layout_to_proto
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.layout import layout_from_dict
@@ -177,9 +178,8 @@ async def test_random_cancellations_never_write_after_settled():
                 if settled.state == pb.TRANSFER_STATE_UNKNOWN:
                     # The Transfer never reached D, so nobody claimed P's lease: the engine, which
                     # holds the params, lets it go with the lease token.
-                    await s.pc.notify(pb.NotifyRequest(request_id=f"c{trial}", kind=pb.NOTIFY_KIND_ABORTED,
-                                                       engine_id="e2e-decode", tp_size=1, lease_epoch=pub.params.remote_epoch,
-                                                       lease_token=pub.params.lease_token))
+                    answers = await abort_published(pub.params, engine_id="e2e-decode")
+                    assert set(answers.values()) <= {"LEASE_STATE_ABORTED", "LEASE_STATE_UNKNOWN"}, answers
                 states.append(pb.TransferState.Name(settled.state))
                 snapshot = bytes(dm.buf)
                 await asyncio.sleep(0.1)
@@ -233,9 +233,13 @@ async def test_a_request_id_alone_grants_nothing():
                 await s.pc.notify(pb.NotifyRequest(request_id="victim", kind=pb.NOTIFY_KIND_ABORTED, engine_id="D",
                                                    tp_size=1, lease_epoch=epoch, lease_token=pub.params.lease_token))
             assert e.value.reason == "LEASE_NOT_OWNER"
+            assert await abort_published(pub.params) == {p.address: "LEASE_NOT_OWNER"}  # claimed: not the router's
             done = await s.pc.notify(pb.NotifyRequest(request_id="victim", kind=pb.NOTIFY_KIND_ABORTED, engine_id="D",
                                                       tp_size=1, lease_epoch=epoch, claim_id="m" * 32))
             assert done.state == pb.LEASE_STATE_ABORTED
+            given_up = await s.pc.publish_blocks("given-up", [[3]])  # the router gives up before D starts
+            assert await abort_published(given_up.params) == {p.address: "LEASE_STATE_ABORTED"}
+            assert (await s.pc.get_info()).live_leases == 0
 
 
 async def test_prefill_killed_mid_transfer_is_peer_unavailable():

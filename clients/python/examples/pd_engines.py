@@ -19,6 +19,7 @@ import sys
 
 from kvsvc.client import AsyncClient
 from kvsvc.client.attach import attach_pool
+from kvsvc.client.leases import abort_published
 from kvsvc.codec import layout_from_proto
 from kvsvc.errors import KvsvcError
 from kvsvc.layout.regions import build_pool_layout
@@ -100,7 +101,10 @@ class DecodeEngine(Engine):
         except BaseException as e:
             # The blocks hold nothing usable, but they may be reused only once nothing writes
             # into them: settled() asks the server unless the error already says so.
-            await asyncio.shield(self.client.settled(request_id, e))
+            state = await asyncio.shield(self.client.settled(request_id, e))
+            if state is not None and state.state == pb.TRANSFER_STATE_UNKNOWN:
+                # The Transfer never reached the server, so nobody claimed P's lease: give it back.
+                await asyncio.shield(abort_published(params, engine_id="decode-engine"))
             await self.blocks.give_back(ids[0])
             if isinstance(e, KvsvcError):  # re-prefill or fail the request
                 raise RuntimeError(f"{request_id}: transfer failed with {e.reason}") from e
