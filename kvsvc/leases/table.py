@@ -230,7 +230,7 @@ class LeaseTable:
         return lease
 
     def notify(self, request_id: str, kind: NotifyKind, d_ranks: Sequence[int], epoch: int, *,
-               token: str = "", claim_id: str = "") -> tuple[LeaseState | None, list[int]]:
+               token: str = "", claim_id: str = "", withdraw: bool = False) -> tuple[LeaseState | None, list[int]]:
         """Apply a notification; (state after, D ranks still pending). Idempotent.
 
         A claimed lease hears only from its owners (claim_id), and CONSUMED only for the
@@ -244,8 +244,13 @@ class LeaseTable:
             dead = self._dead.get(request_id)
             return (dead.state if dead else None), []
         claim = lease.claims.get(claim_id) if claim_id else None
-        if claim is None:
+        if claim is None or withdraw:
             self._check_unclaimed_access(lease, kind, token)
+        if withdraw:
+            if kind is not NotifyKind.ABORTED:
+                raise InvalidArgument("INVALID_FIELD", "withdraw goes with NOTIFY_KIND_ABORTED", {"field": "withdraw"})
+            self._release(lease, LeaseState.ABORTED, announce=False)
+            return lease.state, []
         if kind is NotifyKind.HEARTBEAT:
             self._extend(lease, None)
             return lease.state, lease.tracker.pending_d_ranks if lease.tracker else []
@@ -318,7 +323,7 @@ class LeaseTable:
         heapq.heappush(self._heap, (lease.expires_at, lease.request_id))
         self._wake.set()
 
-    def _release(self, lease: Lease, reason: LeaseState) -> None:
+    def _release(self, lease: Lease, reason: LeaseState, announce: bool = True) -> None:
         if lease.state.released:
             return
         if lease.state is LeaseState.CLAIMED:
@@ -334,8 +339,10 @@ class LeaseTable:
         self._dead[lease.request_id] = Tombstone(reason, lease.released_unix_ms)
         while len(self._dead) > TOMBSTONES_MAX:
             self._dead.popitem(last=False)
+        log.info("released %s: %s%s", lease.request_id, reason.value, "" if announce else " (withdrawn)")
+        if not announce:  # never handed out: the engine hears of it from its failed publish
+            return
         ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms)
-        log.info("released %s: %s", lease.request_id, reason.value)
         for w in self._watchers:
             w.put_nowait(ev)
 

@@ -17,7 +17,7 @@ from kvsvc.limits import MAX_TP_SIZE, MIN_CLAIM_ID_BYTES, check_block_lists, che
 from kvsvc.mapping.geometry import check_block_ids
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
-from kvsvc.service.auth import require_peer
+from kvsvc.service.auth import require_engine, require_peer
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -107,7 +107,7 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
         try:
             servers += await siblings.publish(req, lease.token)
         except BaseException:
-            node.leases.notify(req.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token)
+            node.leases.notify(req.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token, withdraw=True)
             raise
     params = pb.TransferParams(
         remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
@@ -145,14 +145,18 @@ def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:
 
 def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) -> pb.NotifyResponse:
     node.require_role(Role.PREFILL, "Notify")
-    require_peer(node, req.engine_id, peer_names, "notify")
+    if req.withdraw:  # the engine's own servers take back a failed publish
+        require_engine(node, peer_names, "withdraw leases")
+    else:
+        require_peer(node, req.engine_id, peer_names, "notify")
     _check_lease_ids(req)
     if req.kind not in NOTIFY_KINDS:
         raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
                         value=req.kind)
     check_count(req.done_ranks, "done_ranks", MAX_TP_SIZE)
     state, pending = node.leases.notify(req.request_id, NOTIFY_KINDS[req.kind], list(req.done_ranks),
-                                        req.lease_epoch, token=req.lease_token, claim_id=req.claim_id)
+                                        req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
+                                        withdraw=req.withdraw)
     lease = node.leases.get(req.request_id)
     remaining = lease.expires_at - time.monotonic() if lease is not None and state and not state.released else 0.0
     return pb.NotifyResponse(state=LEASE_STATES.get(state, pb.LEASE_STATE_UNKNOWN) if state else

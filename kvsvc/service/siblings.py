@@ -65,12 +65,13 @@ class Siblings:
         return servers
 
     async def abort(self, request_id: str, token: str, servers: list[pb.EngineServer]) -> None:
-        """Best effort: release the sibling leases of a publish that failed elsewhere."""
+        """Best effort: withdraw the sibling leases of a publish that failed elsewhere (no release events)."""
         async def one(s: pb.EngineServer) -> None:
             try:
                 await self._client(s.address).notify(pb.NotifyRequest(
                     request_id=request_id, kind=pb.NOTIFY_KIND_ABORTED, engine_id=self._node.config.engine_id,
-                    tp_size=self._node.config.tp_size, lease_epoch=s.epoch, lease_token=token), timeout_s=2.0)
+                    tp_size=self._node.config.tp_size, lease_epoch=s.epoch, lease_token=token, withdraw=True),
+                    timeout_s=2.0)
             except KvsvcError:
                 log.warning("could not abort %s on sibling %s", request_id, s.address)
 

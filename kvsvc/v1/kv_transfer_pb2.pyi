@@ -603,7 +603,7 @@ class TransferFailure(_message.Message):
     def __init__(self, valid_local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_notified: _Optional[bool] = ...) -> None: ...
 
 class NotifyRequest(_message.Message):
-    __slots__ = ("request_id", "kind", "engine_id", "tp_size", "done_ranks", "lease_epoch", "lease_token", "claim_id")
+    __slots__ = ("request_id", "kind", "engine_id", "tp_size", "done_ranks", "lease_epoch", "lease_token", "claim_id", "withdraw")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -612,6 +612,7 @@ class NotifyRequest(_message.Message):
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: NotifyKind
     engine_id: str
@@ -620,7 +621,8 @@ class NotifyRequest(_message.Message):
     lease_epoch: int
     lease_token: str
     claim_id: str
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyKind, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., done_ranks: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ...) -> None: ...
+    withdraw: bool
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[NotifyKind, str]] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., done_ranks: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., withdraw: _Optional[bool] = ...) -> None: ...
 
 class NotifyResponse(_message.Message):
     __slots__ = ("state", "pending_ranks", "lease_remaining_ms")

@@ -185,3 +185,23 @@ async def _publish_retrying(client: AsyncClient, rid: str, ids: list[list[int]])
                 raise
             await asyncio.sleep(0.25)
     raise AssertionError("unreachable")
+
+
+async def test_a_publish_that_fails_on_a_sibling_leaves_no_lease_and_no_release():
+    """A failed PublishBlocks leased nothing anywhere: no live lease, no WatchReleases event to free twice."""
+    async with engine("wd-p", "prefill", 4, 3, gqa(4)) as P:
+        watches = [await ReleaseWatch.open(c) for c in P.clients[:2]]
+        try:
+            P.procs[2].kill()  # the third server is gone; the second will have leased before the failure shows
+            with pytest.raises(KvsvcError) as e:
+                await P.clients[0].publish_blocks("doomed", [[1, 2]])
+            assert e.value.reason == "SIBLING_UNAVAILABLE" and e.value.metadata["address"] == P.procs[2].address
+            for c in P.clients[:2]:
+                assert (await c.get_info()).live_leases == 0
+            await asyncio.sleep(0.3)
+            assert [w.events for w in watches] == [[], []]
+        finally:
+            for w in watches:
+                await w.close()
+        P.procs[2].stop()
+        P.procs.pop()

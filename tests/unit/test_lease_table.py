@@ -184,3 +184,20 @@ async def test_claim_rank_out_of_range(table):
     with pytest.raises(InvalidArgument) as e:
         claim(table, "r", ranks=[5])
     assert e.value.reason == "RANK_OUT_OF_RANGE"
+
+
+async def test_withdraw_ends_an_unclaimed_lease_without_a_release_event(table):
+    sub = table.subscribe()
+    try:
+        lease = table.publish("w", [[1]], None)
+        with pytest.raises(PermissionDenied):
+            table.notify("w", ABORTED, [], 7, withdraw=True)  # needs the token
+        assert table.notify("w", ABORTED, [], 7, token=lease.token, withdraw=True)[0] is LeaseState.ABORTED
+        assert table.live_count == 0 and sub._queue.empty(), "a withdrawn lease was never handed out"
+        claimed = table.publish("c", [[2]], None)
+        claim(table, "c")
+        with pytest.raises(PermissionDenied) as e:
+            table.notify("c", ABORTED, [], 7, token=claimed.token, withdraw=True)
+        assert e.value.reason == "LEASE_NOT_OWNER"
+    finally:
+        sub.close()
