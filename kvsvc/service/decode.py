@@ -28,7 +28,18 @@ from kvsvc.errors import (
 )
 from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_WAIT_MS, check_block_lists, check_id, check_tp_size, clip, too_big
 from kvsvc.mapping.planner import RankPlan
-from kvsvc.service.legs import ClaimState, LeaseClock, Leg, ServerRef, p_servers, servers_needed
+from kvsvc.service.legs import (
+    ClaimRefused,
+    Leg,
+    Ownership,
+    ServerRef,
+    abort_all,
+    claim_all,
+    confirm_all,
+    heartbeat,
+    p_servers,
+    servers_needed,
+)
 from kvsvc.service.node import Node
 from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
 from kvsvc.service.transfers import TransferJobs, fingerprint
@@ -50,21 +61,6 @@ MIN_DEADLINE_MARGIN_S = 0.05
 MAX_DEADLINE_MARGIN_S = 1.0
 # A Transfer called without a deadline still ends.
 NO_DEADLINE_S = 600.0
-
-
-# Claim outcomes that leave P's lease state unknown (the claim may have been granted).
-UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
-
-
-HEARTBEAT_MIN_INTERVAL_S = 0.05
-
-
-class ClaimRefused(Exception):
-    """P refused the claim (its lease is not ours to abort); carries P's error."""
-
-    def __init__(self, error: KvsvcError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclass
@@ -237,11 +233,11 @@ class Decoder:
             self._spawn(self._abort_unpaired(p, [ServerRef(leg.peer.address, leg.peer.epoch, None) for leg in legs]))
             raise  # blocks that cannot be read: free P's now, not at TTL
         marks = [("plan", time.perf_counter())]
-        own = _Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16))
+        own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16))
 
         posted: list[Posted] = []
         try:
-            await self._claim_all(legs, own, deadline)
+            await claim_all(legs, own, self._rpc_timeout(deadline))
             marks.append(("claim", time.perf_counter()))
             for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
@@ -258,7 +254,7 @@ class Decoder:
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
             waits = asyncio.gather(*(x.flight.result for x in posted))
-            keepers = [asyncio.ensure_future(self._heartbeat(leg, own)) for leg in legs]
+            keepers = [asyncio.ensure_future(heartbeat(leg, own)) for leg in legs]
             try:
                 await asyncio.wait_for(waits, max(0.0, deadline - time.monotonic()))
             except TimeoutError as e:
@@ -271,7 +267,7 @@ class Decoder:
             if any(leg.clock is not None and leg.clock.expired for leg in legs):
                 raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                          {"request_id": p.remote_request_id})
-            await self._confirm_all(legs, own, deadline)
+            await confirm_all(legs, own, self._rpc_timeout(deadline))
         except ClaimRefused as e:
             raise e.error from None
         except BaseException as e:
@@ -297,62 +293,9 @@ class Decoder:
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
                                    duration_us=int((time.perf_counter() - started) * 1e6))
 
-    async def _claim_all(self, legs: list[Leg], own: _Ownership, deadline: float) -> None:
-        """Claim at every P server at once; raise if any claim did not hold (ClaimRefused when
-        every server that answered said no, so there is nothing of ours to abort)."""
-        async def claim(leg: Leg) -> None:
-            p = own.params
-            leg.claim = ClaimState.SENT
-            resp = await leg.peer.client.claim_lease(pb.ClaimLeaseRequest(
-                request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
-                tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks),
-                timeout_s=self._rpc_timeout(deadline))
-            leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
-
-        outcomes = await asyncio.gather(*(claim(leg) for leg in legs), return_exceptions=True)
-        errors = []
-        for leg, out in zip(legs, outcomes, strict=True):
-            if isinstance(out, KvsvcError) and out.code not in UNKNOWN_OUTCOME:
-                leg.claim = ClaimState.REFUSED  # P answered no: nothing of ours to abort
-            if isinstance(out, BaseException):
-                errors.append(out)
-        if errors:
-            refused = [e for e in errors if isinstance(e, KvsvcError) and e.code not in UNKNOWN_OUTCOME]
-            if len(refused) == len(errors) and not any(leg.may_hold for leg in legs):
-                raise ClaimRefused(refused[0])
-            raise next((e for e in errors if e not in refused), errors[0])
-
-    async def _confirm_all(self, legs: list[Leg], own: _Ownership, deadline: float) -> None:
-        """CONSUMED at every P server; each must still know our claim (the proof the bytes are good)."""
-        answers = await asyncio.gather(*(leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks),
-                                                                timeout_s=self._rpc_timeout(deadline))
-                                         for leg in legs))
-        for leg, resp in zip(legs, answers, strict=True):
-            if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
-                raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server {leg.peer.address} released the blocks "
-                                         f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
-                                         {"request_id": own.params.remote_request_id,
-                                          "state": pb.LeaseState.Name(resp.state), "address": leg.peer.address})
-
     def _rpc_timeout(self, deadline: float) -> float:
         """A peer RPC's timeout: the configured one, but never past the job's deadline."""
         return max(0.05, min(self.node.config.peer_timeout_s, deadline - time.monotonic()))
-
-    async def _heartbeat(self, leg: Leg, own: _Ownership) -> None:
-        """Keep one P server's lease alive while long reads run: HEARTBEAT at a third of the time left."""
-        clock = leg.clock
-        if clock is None:
-            return
-        while True:
-            await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, clock.remaining_s / 3))
-            try:
-                resp = await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch))
-            except KvsvcError:
-                log.warning("heartbeat for %s at %s failed", own.params.remote_request_id, leg.peer.address)
-                continue
-            if resp.state not in (pb.LEASE_STATE_CLAIMED, pb.LEASE_STATE_OFFERED):
-                return  # released meanwhile: the final notify will say so
-            clock.renew(resp.lease_remaining_ms)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -375,7 +318,7 @@ class Decoder:
 
         await asyncio.gather(*(one(s) for s in servers))
 
-    async def _fail(self, legs: list[Leg], own: _Ownership, posted: list[Posted], err: BaseException,
+    async def _fail(self, legs: list[Leg], own: Ownership, posted: list[Posted], err: BaseException,
                     deadline: float) -> BaseException:
         """Settle posted READs, tell every P server that may hold our claim to let go, and
         attach which blocks are valid (none).
@@ -397,25 +340,8 @@ class Decoder:
             except asyncio.CancelledError:
                 await asyncio.shield(waited)
         timeout = max(0.2, min(2.0, deadline + MIN_DEADLINE_MARGIN_S - time.monotonic()))
-
-        async def abort(leg: Leg) -> str:
-            try:
-                await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout)
-                return "told"
-            except KvsvcError as e:
-                log.warning("could not tell %s that %s was aborted", leg.peer.address, own.params.remote_request_id)
-                return "gone" if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) else "refused"
-
-        # Every server that did not refuse us: one that holds our claim must hear it, and an
-        # unclaimed lease of a request we gave up on is freed with the token (a lease that
-        # another transfer owns answers LEASE_NOT_OWNER and stays as it is).
-        owed = [leg for leg in legs if leg.claim is not ClaimState.REFUSED]
-        try:
-            told = await asyncio.shield(asyncio.gather(*(abort(leg) for leg in owed)))
-        except asyncio.CancelledError:
-            told = ["unknown"] * len(owed)
-        gone = [leg.peer.address for leg, t in zip(owed, told, strict=True) if t == "gone"]
-        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=all(t == "told" for t in told))
+        notified, gone = await abort_all(legs, own, timeout)
+        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
         final: BaseException = err
         p_unreachable = isinstance(err, KvsvcError) and err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
         read_failed = isinstance(err, KvsvcError) and err.reason in ("TRANSFER_FAILED", "NIXL_ERROR")
@@ -428,20 +354,3 @@ class Decoder:
         elif not isinstance(final, asyncio.CancelledError):
             log.exception("transfer %s failed", own.params.remote_request_id, exc_info=err)
         return final
-
-
-@dataclass(frozen=True, slots=True)
-class _Ownership:
-    """Who this transfer is to P: the D engine, and the claim_id that owns the lease."""
-
-    params: pb.TransferParams
-    engine_id: str
-    tp_size: int
-    claim_id: str
-
-    def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
-        """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
-        p = self.params
-        return pb.NotifyRequest(request_id=p.remote_request_id, kind=kind, engine_id=self.engine_id,
-                                tp_size=self.tp_size, done_ranks=done_ranks or [], lease_epoch=epoch,
-                                lease_token=p.lease_token, claim_id=self.claim_id)

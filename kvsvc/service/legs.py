@@ -1,19 +1,31 @@
-"""D's view of a P engine that may span several servers: which server holds which P ranks,
-which hosted D ranks need each one, and the claim D holds at each (one leg per server)."""
+"""D's view of a P engine that may span several servers, and the lease conversation with each.
+
+Which server holds which P ranks, which hosted D ranks need each one (one leg per
+server), and the RPCs that make a leg's claim: claim, heartbeat, confirm, abort.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsvc.codec import bad_field
-from kvsvc.errors import FailedPrecondition
+from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError
 from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_TP_SIZE, check_count, check_id
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.service.peers import Peer
 from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Claim outcomes that leave P's lease state unknown (the claim may have been granted).
+UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
+
+HEARTBEAT_MIN_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +116,108 @@ class Leg:
     def may_hold(self) -> bool:
         """Whether P may hold a claim of ours here (so an abort is owed)."""
         return self.claim in (ClaimState.SENT, ClaimState.HELD)
+
+
+class ClaimRefused(Exception):
+    """Every P server that answered refused the claim (no lease of ours to abort); carries P's error."""
+
+    def __init__(self, error: KvsvcError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """Who a transfer is to P: the D engine, and the claim_id that owns the lease."""
+
+    params: pb.TransferParams
+    engine_id: str
+    tp_size: int
+    claim_id: str
+
+    def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
+        """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
+        p = self.params
+        return pb.NotifyRequest(request_id=p.remote_request_id, kind=kind, engine_id=self.engine_id,
+                                tp_size=self.tp_size, done_ranks=done_ranks or [], lease_epoch=epoch,
+                                lease_token=p.lease_token, claim_id=self.claim_id)
+
+
+async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
+    """Claim at every P server at once; raise if any claim did not hold (ClaimRefused when
+    every server that answered said no, so there is nothing of ours to abort)."""
+    async def claim(leg: Leg) -> None:
+        p = own.params
+        leg.claim = ClaimState.SENT
+        resp = await leg.peer.client.claim_lease(pb.ClaimLeaseRequest(
+            request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
+            tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks),
+            timeout_s=timeout_s)
+        leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
+
+    outcomes = await asyncio.gather(*(claim(leg) for leg in legs), return_exceptions=True)
+    errors = []
+    for leg, out in zip(legs, outcomes, strict=True):
+        if isinstance(out, KvsvcError) and out.code not in UNKNOWN_OUTCOME:
+            leg.claim = ClaimState.REFUSED  # P answered no: nothing of ours to abort
+        if isinstance(out, BaseException):
+            errors.append(out)
+    if errors:
+        refused = [e for e in errors if isinstance(e, KvsvcError) and e.code not in UNKNOWN_OUTCOME]
+        if len(refused) == len(errors) and not any(leg.may_hold for leg in legs):
+            raise ClaimRefused(refused[0])
+        raise next((e for e in errors if e not in refused), errors[0])
+
+
+async def confirm_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
+    """CONSUMED at every P server; each must still know our claim (the proof the bytes are good)."""
+    answers = await asyncio.gather(*(
+        leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks), timeout_s=timeout_s)
+        for leg in legs))
+    for leg, resp in zip(legs, answers, strict=True):
+        if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
+            raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server {leg.peer.address} released the blocks "
+                                     f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
+                                     {"request_id": own.params.remote_request_id,
+                                      "state": pb.LeaseState.Name(resp.state), "address": leg.peer.address})
+
+
+async def heartbeat(leg: Leg, own: Ownership) -> None:
+    """Keep one P server's lease alive while long reads run: HEARTBEAT at a third of the time left."""
+    clock = leg.clock
+    if clock is None:
+        return
+    while True:
+        await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, clock.remaining_s / 3))
+        try:
+            resp = await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch))
+        except KvsvcError:
+            log.warning("heartbeat for %s at %s failed", own.params.remote_request_id, leg.peer.address)
+            continue
+        if resp.state not in (pb.LEASE_STATE_CLAIMED, pb.LEASE_STATE_OFFERED):
+            return  # released meanwhile: the final notify will say so
+        clock.renew(resp.lease_remaining_ms)
+
+
+async def abort_all(legs: list[Leg], own: Ownership, timeout_s: float) -> tuple[bool, list[str]]:
+    """ABORTED to every P server that did not refuse us; (all of them told, addresses that did not answer).
+
+    One that holds our claim must hear it, and an unclaimed lease of a request we gave up
+    on is freed with the token (a lease another transfer owns answers LEASE_NOT_OWNER and
+    stays as it is). Never cancelled halfway: P must not keep a lease nobody will read.
+    """
+    async def abort(leg: Leg) -> str:
+        try:
+            await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout_s)
+            return "told"
+        except KvsvcError as e:
+            log.warning("could not tell %s that %s was aborted", leg.peer.address, own.params.remote_request_id)
+            return "gone" if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) else "refused"
+
+    owed = [leg for leg in legs if leg.claim is not ClaimState.REFUSED]
+    try:
+        told = await asyncio.shield(asyncio.gather(*(abort(leg) for leg in owed)))
+    except asyncio.CancelledError:
+        told = ["unknown"] * len(owed)
+    gone = [leg.peer.address for leg, t in zip(owed, told, strict=True) if t == "gone"]
+    return all(t == "told" for t in told), gone
