@@ -59,7 +59,8 @@ class ServerConfig:
     """CUDA device of the first hosted rank's VRAM pool (see cuda_devices)."""
     cuda_devices: tuple[int, ...] = ()
     """CUDA device of each hosted rank's VRAM pool, in the order of ranks (empty: hosted
-    rank i of this server goes to device cuda_device + i, one GPU per rank)."""
+    rank i of this server goes to device cuda_device + i, one GPU per rank, folded onto the
+    devices present when there are fewer)."""
     advertised_address: str = ""
     """Address peers should dial (defaults to the bound address)."""
     lease_ttl_s: float = 30.0

@@ -65,9 +65,12 @@ class CudaPool(Pool):
 
     memory_kind = "VRAM"
 
-    def __init__(self, rank: int, size_bytes: int, device: int) -> None:
+    def __init__(self, rank: int, size_bytes: int, device: int, wrap: bool = False) -> None:
+        """wrap: device is a default (one GPU per rank): fold it onto the devices present."""
         import torch  # server-side only; clients never import torch through kvsvc
 
+        if wrap:
+            device %= max(1, torch.cuda.device_count())
         self._tensor: Any = torch.zeros(size_bytes, dtype=torch.uint8, device=f"cuda:{device}")
         super().__init__(rank, size_bytes, int(self._tensor.data_ptr()))
         self.device_id = device

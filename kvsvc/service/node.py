@@ -85,7 +85,7 @@ class Node:
         if rank in self._external:
             return ExternalPool(rank, self._external[rank], size)
         if self.config.memory is MemoryMode.VRAM:
-            return CudaPool(rank, size, self.config.device_of(rank))
+            return CudaPool(rank, size, self.config.device_of(rank), wrap=not self.config.cuda_devices)
         return ShmPool(rank, size, shm_name_for(self.config.engine_id, self.epoch, rank))
 
     async def close(self) -> None:
