@@ -206,10 +206,11 @@ class Decoder:
                 raise
             failed = [e for e in entered if isinstance(e, BaseException)]
             if failed:
-                refused = [e for e in failed if isinstance(e, FailedPrecondition)
-                           and e.reason not in ("LEASE_EXPIRED", "UNKNOWN_ENGINE")]
-                if refused or any(isinstance(e, asyncio.CancelledError) for e in failed):
-                    self._spawn(self._abort_unpaired(p, named))  # refused pair: free P's blocks now
+                # Could not pair (refused, a NIXL failure, cancelled): free P's blocks now, unless
+                # the lease is not this P's to free (another run of it, another engine).
+                if not all(isinstance(e, KvsvcError) and e.reason in ("LEASE_EXPIRED", "UNKNOWN_ENGINE")
+                           for e in failed):
+                    self._spawn(self._abort_unpaired(p, named))
                 raise failed[0]
             legs = [Leg(peer, d_ranks) for peer, (_, d_ranks) in zip(entered, needed, strict=True)]  # type: ignore[arg-type]
             return await self._transfer(req, legs, deadline)

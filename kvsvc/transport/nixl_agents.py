@@ -143,6 +143,10 @@ class NixlDataPlane:
     async def connect(self, local_rank: int, remote_metadata: bytes, remote_name: str) -> str:
         """Make remote_name known to local_rank's agent (once); returns the name NIXL uses."""
         key = (local_rank, remote_name)
+        if remote_name in {a.name for a in self.agents.values()}:
+            # One of this process's own agents (a "both" server reading what it published):
+            # NIXL reads between its local agents without loading metadata.
+            return remote_name
         async with self._remote_lock:
             if key not in self._remotes:
                 agent = self.agents[local_rank].agent

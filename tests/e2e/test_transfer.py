@@ -25,3 +25,23 @@ async def test_transfer_matches_reference(p_tp, d_tp, layout):
             # GetInfo names the transport UCX picked for READs (cma between processes here).
             transports = (await s.dc.get_info()).transport.ucx_transports
             assert any(t.startswith("rma_get:") for t in transports), transports
+
+
+async def test_a_both_server_transfers_from_itself():
+    """The default `kvsvc serve` is role both: it may be P and D of one request (NIXL reads between its own agents)."""
+    from kvsvc.cli.procs import start_server
+    from kvsvc.client import AsyncClient
+    from tests.e2e.harness import Engine
+
+    sp = start_server(engine_id="selfie", role="both", tp_size=2, layout=layout_table(k=4))
+    try:
+        async with AsyncClient(sp.address) as c:
+            engine = await Engine.of(c)
+            engine.fill([[1, 2]])
+            pub = await c.publish_blocks("self", [[1, 2]])
+            resp = await c.transfer("d-self", pub.params, [[5, 6]])
+            assert resp.total_bytes > 0 and not engine.check([[5, 6]])
+            assert (await c.get_info()).live_leases == 0
+            engine.close()
+    finally:
+        assert sp.stop() == 0
