@@ -106,6 +106,13 @@ def new_lease_token() -> str:
     return secrets.token_hex(16)
 
 
+def _check_token(lease: Lease, token: str) -> None:
+    if not secrets.compare_digest(token.encode(), lease.token.encode()):
+        raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request "
+                               f"{lease.request_id!r}'s lease: copy TransferParams as PublishBlocks returned them",
+                               {"request_id": lease.request_id})
+
+
 @dataclass
 class LeaseTable:
     """Leases of one P server; hosted_ranks and tp_size are this engine's."""
@@ -193,10 +200,7 @@ class LeaseTable:
         claim from another D engine, is refused with LEASE_CLAIMED.
         """
         lease = self._live_lease(request_id, epoch)
-        if not secrets.compare_digest(token.encode(), lease.token.encode()):
-            raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request {request_id!r}"
-                                   "'s lease: copy TransferParams as PublishBlocks returned them",
-                                   {"request_id": request_id})
+        _check_token(lease, token)
         tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
         ranks = frozenset(d_ranks) if d_ranks else frozenset(range(d_tp_size))
         bad = sorted(r for r in ranks if not 0 <= r < d_tp_size)
@@ -274,17 +278,12 @@ class LeaseTable:
         if kind is NotifyKind.CONSUMED:
             raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {lease.request_id!r} was never claimed: claim "
                                      "it before reading", {"request_id": lease.request_id})
-        if not secrets.compare_digest(token.encode(), lease.token.encode()):
-            raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request "
-                                   f"{lease.request_id!r}'s lease", {"request_id": lease.request_id})
+        _check_token(lease, token)
 
     def get(self, request_id: str) -> Lease | None:
         """The live lease of request_id, if any."""
         return self._live.get(request_id)
 
-    @property
-    def claimed_count(self) -> int:
-        return self._claimed
 
     @property
     def live_count(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsvc.client import AsyncClient
+from kvsvc.client.leases import abort_published
 from kvsvc.codec import bad_field, block_ids_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import (
@@ -32,7 +32,6 @@ from kvsvc.service.legs import (
     ClaimRefused,
     Leg,
     Ownership,
-    ServerRef,
     abort_all,
     claim_all,
     confirm_all,
@@ -194,7 +193,7 @@ class Decoder:
         try:
             needed = servers_needed(named, node.hosted_ranks, node.config.tp_size, p.remote_tp_size)
         except FailedPrecondition:
-            self._spawn(self._abort_unpaired(p, named))  # an impossible pair: free P's blocks now
+            self._spawn(self._abort_unpaired(p))  # an impossible pair: free P's blocks now
             raise
         async with contextlib.AsyncExitStack() as stack:
             try:
@@ -202,7 +201,7 @@ class Decoder:
                     self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed),
                     return_exceptions=True)
             except asyncio.CancelledError:
-                self._spawn(self._abort_unpaired(p, named))  # given up before any claim: free P's blocks
+                self._spawn(self._abort_unpaired(p))  # given up before any claim: free P's blocks
                 raise
             failed = [e for e in entered if isinstance(e, BaseException)]
             if failed:
@@ -210,7 +209,7 @@ class Decoder:
                 # the lease is not this P's to free (another run of it, another engine).
                 if not all(isinstance(e, KvsvcError) and e.reason in ("LEASE_EXPIRED", "UNKNOWN_ENGINE")
                            for e in failed):
-                    self._spawn(self._abort_unpaired(p, named))
+                    self._spawn(self._abort_unpaired(p))
                 raise failed[0]
             legs = [Leg(peer, d_ranks) for peer, (_, d_ranks) in zip(entered, needed, strict=True)]  # type: ignore[arg-type]
             return await self._transfer(req, legs, deadline)
@@ -231,7 +230,7 @@ class Decoder:
             plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True)
             reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
         except (InvalidArgument, FailedPrecondition):
-            self._spawn(self._abort_unpaired(p, [ServerRef(leg.peer.address, leg.peer.epoch, None) for leg in legs]))
+            self._spawn(self._abort_unpaired(p))
             raise  # blocks that cannot be read: free P's now, not at TTL
         marks = [("plan", time.perf_counter())]
         own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16))
@@ -303,21 +302,14 @@ class Decoder:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_unpaired(self, p: pb.TransferParams, servers: list[ServerRef]) -> None:
-        """Best-effort ABORTED to P servers we could not pair with (their leases would otherwise wait out the TTL)."""
-        async def one(s: ServerRef) -> None:
-            req = pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
-                                   engine_id=self.node.config.engine_id, tp_size=self.node.config.tp_size,
-                                   lease_epoch=s.epoch, lease_token=p.lease_token)
-            try:
-                opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0,
-                                           retries=0)
-                async with AsyncClient(s.address, opts) as client:
-                    await client.notify(req)
-            except KvsvcError:
-                log.warning("could not tell %s that %s was refused", s.address, p.remote_request_id)
-
-        await asyncio.gather(*(one(s) for s in servers))
+    async def _abort_unpaired(self, p: pb.TransferParams) -> None:
+        """Best-effort ABORTED (with the lease token) to every P server of a request we could not
+        pair with or plan: their leases would otherwise wait out the TTL."""
+        opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0, retries=0)
+        answers = await abort_published(p, engine_id=self.node.config.engine_id, options=opts)
+        for address, answer in answers.items():
+            if not answer.startswith("LEASE_STATE_"):
+                log.warning("could not tell %s that %s was refused: %s", address, p.remote_request_id, answer)
 
     async def _fail(self, legs: list[Leg], own: Ownership, posted: list[Posted], err: BaseException,
                     deadline: float) -> BaseException:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,16 +118,14 @@ async def create_server(
     if node.data is not None:
         loop = asyncio.get_running_loop()
         # The NIXL thread ending on its own means no transfer can work: say so to health checks.
-        node.data.on_dead(lambda: void(loop.call_soon_threadsafe(_mark_down, health_servicer, node)))
+        node.data.on_dead(functools.partial(loop.call_soon_threadsafe, _mark_down, health_servicer, node))
     if creds is None:
-        log.warning("PLAINTEXT: %s:%d has no TLS; any process that can reach it may call every RPC (leases are "
-                    "still guarded by their tokens). Use this only on a trusted network.", host, port)
+        # `kvsvc serve` logs to stderr at WARNING and above: this reaches the operator's terminal.
+        log.warning("PLAINTEXT: %s:%d has no TLS, no authentication: any process that can reach it may publish, "
+                    "transfer and read pool metadata (leases stay guarded by their tokens). Use this only on a "
+                    "trusted network, or set tls_cert_file and tls_client_ca_file.", host, port)
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
     return RunningServer(server, port, node, health_servicer, decoder, siblings), port
-
-
-def void(_: object) -> None:
-    """Drop a value (callbacks that must return None)."""
 
 
 def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:
@@ -140,10 +138,6 @@ def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     running, _ = await create_server(config)
-    if not config.tls_cert_file:
-        print(f"kvsvc: WARNING: plaintext mode, no authentication: anyone who can reach {running.node.address} "
-              "can publish, transfer and read pool metadata. Use TLS (tls_cert_file, tls_client_ca_file) "
-              "outside a trusted network.", file=sys.stderr, flush=True)
     print(f"kvsvc listening on {running.node.address} (engine {config.engine_id}, TP ranks "
           f"{list(config.ranks)}/{config.tp_size})", flush=True)
     stop = asyncio.Event()

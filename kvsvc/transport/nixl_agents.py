@@ -196,7 +196,7 @@ class NixlDataPlane:
     def alive(self) -> bool:
         return self._thread.alive
 
-    def on_dead(self, callback: Callable[[], None]) -> None:
+    def on_dead(self, callback: Callable[[], object]) -> None:
         """callback() (from the NIXL thread) if that thread ever ends other than by close()."""
         self._thread.on_dead = callback
 

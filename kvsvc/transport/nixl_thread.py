@@ -60,7 +60,7 @@ class NixlThread:
         self._notif_sink: Callable[[Any, dict[str, list[bytes]]], None] | None = None
         self._thread = threading.Thread(target=self._run_main, name=name, daemon=True)
         self._started = False
-        self.on_dead: Callable[[], None] | None = None
+        self.on_dead: Callable[[], object] | None = None
 
     def start(self) -> None:
         if not self._started:

@@ -282,6 +282,7 @@ async def test_malformed_bytes_are_invalid_argument():
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "MALFORMED_REQUEST" in e.value.details()
     assert not any("Traceback" in line for line in p.output)
+    assert any("PLAINTEXT" in line and "no authentication" in line for line in p.output), "plaintext says so"
 
 
 async def test_sigterm_drains_claimed_leases_first():
