@@ -20,7 +20,7 @@ from kvsvc.layout.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvsvc.limits import MAX_DIM, MAX_GROUPS, MAX_LAYERS, MAX_NUM_BLOCKS, check_count, check_id, too_big
+from kvsvc.limits import MAX_DIM, MAX_GROUPS, MAX_LAYERS, MAX_NUM_BLOCKS, MAX_TP_SIZE, check_count, check_id, too_big
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -130,6 +130,7 @@ def layout_to_proto(layout: EngineLayout) -> pb.KvLayout:
         groups=[pb.KvCacheGroup(name=g.name, spec=spec_to_proto(g.spec),
                                 layer_names=[] if isinstance(g.spec, UniformTypeKVCacheSpecs) else list(g.layer_names))
                 for g in layout.groups],
+        dcp_size=layout.dcp_size,
     )
 
 
@@ -144,7 +145,7 @@ def layout_from_proto(msg: pb.KvLayout, field: str = "layout", tp_size: int | No
         for i, g in enumerate(msg.groups)
     )
     layout = EngineLayout(msg.model_id, msg.total_num_kv_heads, msg.block_size_tokens, msg.num_blocks, groups,
-                          mem, reg)  # type: ignore[arg-type]
+                          mem, reg, msg.dcp_size or 1)  # type: ignore[arg-type]
     layout.validate(tp_size)
     return layout
 
@@ -155,6 +156,8 @@ def _check_layout_sizes(msg: pb.KvLayout, field: str) -> None:
     layers = sum(max(len(g.layer_names), len(g.spec.uniform_type.layers)) for g in msg.groups)
     if layers > MAX_LAYERS:
         raise too_big(f"{field}.groups", layers, MAX_LAYERS, "layers")
+    if msg.dcp_size > MAX_TP_SIZE:
+        raise too_big(f"{field}.dcp_size", msg.dcp_size, MAX_TP_SIZE, "ranks")
     if msg.num_blocks > MAX_NUM_BLOCKS:
         raise too_big(f"{field}.num_blocks", msg.num_blocks, MAX_NUM_BLOCKS, "blocks")
     for name in ("total_num_kv_heads", "block_size_tokens"):

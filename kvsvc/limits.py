@@ -29,6 +29,8 @@ MAX_NUM_BLOCKS = 1 << 24
 """Largest pool, in blocks per rank."""
 MAX_DIM = 1 << 16
 """Largest head count, head size, block size or state dimension."""
+MAX_NUM_TOKENS = MAX_BLOCK_IDS * MAX_DIM
+"""Longest request, tokens (every block id of a request at the largest block size)."""
 MAX_WAIT_MS = 60_000
 """Longest WaitTransfer wait."""
 MIN_CLAIM_ID_BYTES = 16
@@ -68,6 +70,11 @@ def check_block_lists(groups: Sequence[Sequence[int]], field: str) -> None:
     total = sum(len(g) for g in groups)
     if total > MAX_BLOCK_IDS:
         raise too_big(field, total, MAX_BLOCK_IDS, "block ids")
+
+
+def check_num_tokens(num_tokens: int, field: str) -> None:
+    if num_tokens > MAX_NUM_TOKENS:
+        raise too_big(field, num_tokens, MAX_NUM_TOKENS, "tokens")
 
 
 def clip(text: str, limit: int) -> str:

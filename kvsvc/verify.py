@@ -9,6 +9,10 @@ Element tags (int32 pairs for attention rows, so any misplaced row is named):
     attention row (layer region x, global head h, global token p): [tag(x, h), p]
     latent row (region x, token p): [tag(x, 0), p]
     SSM state byte of region x at full-state byte index q: derived from (x, q)
+
+Decode context parallelism: an engine with DCP size d keeps the request's block
+i·d + (rank mod d) at position i of a rank's list (d = 1: block i), so the token
+numbers in a latent row say which request block a D position was filled from.
 """
 
 from __future__ import annotations
@@ -59,9 +63,15 @@ def _rows(r: Region, view: np.ndarray) -> np.ndarray:
     return words.reshape(r.tokens, r.heads, per_row).transpose(1, 0, 2)[..., :2]
 
 
-def fill_rank(mem: RankMemory, rank: int, tp: int, k: int, block_ids: list[list[int]], block_size: int) -> None:
+def request_block(position: int, rank: int, dcp_size: int) -> int:
+    """The request block held at a list position of a rank of an engine with DCP size dcp_size."""
+    return position * dcp_size + rank % dcp_size
+
+
+def fill_rank(mem: RankMemory, rank: int, tp: int, k: int, block_ids: list[list[int]], block_size: int,
+              dcp_size: int = 1) -> None:
     """Write rank's shard of the logical KV of one request into its blocks (position i of a group's list
-    holds tokens i*block_size ...)."""
+    holds request block request_block(i, rank, dcp_size), tokens from block·block_size)."""
     heads = rank_heads(rank, tp, k)
     for r in mem.regions:
         ids = block_ids[r.group_index]
@@ -72,7 +82,7 @@ def fill_rank(mem: RankMemory, rank: int, tp: int, k: int, block_ids: list[list[
                 view[:] = ssm_byte(r.index, q + i * 100_003)
                 continue
             rows = _rows(r, view)
-            toks = i * block_size + np.arange(r.tokens)
+            toks = request_block(i, rank, dcp_size) * block_size + np.arange(r.tokens)
             hs = [0] if r.kind is RegionKind.LATENT else heads
             for hpos, h in enumerate(hs):
                 rows[hpos, :, 0] = tag(r.index, h)
@@ -80,11 +90,15 @@ def fill_rank(mem: RankMemory, rank: int, tp: int, k: int, block_ids: list[list[
 
 
 def check_rank(mem: RankMemory, rank: int, tp: int, k: int, block_ids: list[list[int]], block_size: int,
-               first_position: list[int] | None = None) -> list[str]:
+               first_position: list[int] | None = None, dcp_size: int = 1,
+               num_tokens: int | None = None) -> list[str]:
     """Every mismatch between a D rank's blocks and its expected shard (empty: all good).
 
-    first_position[g] is the request position of block_ids[g][0] (a prefix-cache hit starts later).
+    first_position[g] is the list position of block_ids[g][0] (a prefix-cache hit starts later).
+    With num_tokens, positions past the request's last block are not checked (under DCP a
+    rank's last position may lie past the end).
     """
+    last = None if num_tokens is None else -(-num_tokens // block_size)
     errors: list[str] = []
     heads = rank_heads(rank, tp, k)
     for r in mem.regions:
@@ -99,8 +113,11 @@ def check_rank(mem: RankMemory, rank: int, tp: int, k: int, block_ids: list[list
                 if not np.array_equal(view, want):
                     errors.append(f"region {r.index} block {b}: SSM bytes differ at {int(np.argmax(view != want))}")
                 continue
+            block = request_block(pos, rank, dcp_size)
+            if last is not None and block >= last:
+                continue
             rows = _rows(r, view)
-            toks = pos * block_size + np.arange(r.tokens)
+            toks = block * block_size + np.arange(r.tokens)
             hs = [0] if r.kind is RegionKind.LATENT else heads
             for hpos, h in enumerate(hs):
                 got_tag, got_tok = rows[hpos, :, 0], rows[hpos, :, 1]

@@ -81,6 +81,7 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
         groups=tuple(groups),
         kv_memory_layout=KvMemoryLayout(str(d.get("kv_memory_layout", "HND")).upper()),
         region_layout=RegionLayout(str(d.get("region_layout", "split_kv")).lower()),
+        dcp_size=int(d.get("dcp_size", 1)),
     )
     layout.validate(tp_size)
     return layout
@@ -100,6 +101,7 @@ def simple_layout(
     extra_groups: Sequence[Mapping[str, Any]] = (),
     kv_memory_layout: str = "HND",
     region_layout: str = "split_kv",
+    dcp_size: int = 1,
 ) -> EngineLayout:
     """A one-group GQA or MLA layout (plus extra groups): the demo's and tests' shorthand."""
     main = {"name": "mla" if mla else "full", "kind": "mla" if mla else "full_attention",
@@ -108,7 +110,7 @@ def simple_layout(
         {
             "model_id": model_id, "total_num_kv_heads": kv_heads, "block_size": block_size,
             "num_blocks": num_blocks, "dtype": dtype, "groups": [main, *extra_groups],
-            "kv_memory_layout": kv_memory_layout, "region_layout": region_layout,
+            "kv_memory_layout": kv_memory_layout, "region_layout": region_layout, "dcp_size": dcp_size,
         },
         tp_size,
     )

@@ -67,7 +67,8 @@ def check_compatibility(
     if any(v.reason == "GROUP_MISMATCH" for v in out):
         return out
     heads_split = _heads_split(local, local_tp, remote, remote_tp)
-    if local.block_size % remote.block_size:
+    out.extend(_check_dcp(local, remote))  # names unequal block sizes itself when DCP is on
+    if local.dcp_size == remote.dcp_size == 1 and local.block_size % remote.block_size:
         out.append(_v("BLOCK_SIZE_MISMATCH",
                       f"local block size {local.block_size} must be a multiple of the remote {remote.block_size} "
                       "(a larger remote block is unsupported)",
@@ -90,6 +91,26 @@ def check_compatibility(
                       kv_memory_layout="NHD", local_tp_size=local_tp, remote_tp_size=remote_tp))
     if tp is None and not out:
         out.extend(_check_regions(local, local_tp, remote, remote_tp))
+    return out
+
+
+def _check_dcp(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
+    """The DCP rules (MAPPING.md §8): sizes that divide one another, equal block sizes, and
+    equal DCP sizes when SSM state travels too."""
+    lc, rd = local.dcp_size, remote.dcp_size
+    if lc == 1 and rd == 1:
+        return []
+    out = []
+    if lc % rd and rd % lc:
+        out.append(_v("DCP_NOT_DIVISIBLE", f"DCP sizes {lc} (local) and {rd} (remote) must divide one another",
+                      local_dcp_size=lc, remote_dcp_size=rd))
+    if local.block_size != remote.block_size:
+        out.append(_v("BLOCK_SIZE_MISMATCH", f"with DCP ({lc} local, {rd} remote) the block sizes must be equal: "
+                      f"local {local.block_size}, remote {remote.block_size}",
+                      local_block_size=local.block_size, remote_block_size=remote.block_size))
+    if lc != rd and _has_family(local, SpecFamily.SSM):
+        out.append(_v("DCP_MISMATCH", f"an MLA+SSM pair needs equal DCP sizes, got {lc} (local) and {rd} (remote)",
+                      local_dcp_size=lc, remote_dcp_size=rd))
     return out
 
 

@@ -69,6 +69,10 @@ class EngineLayout:
 
     block_size is in tokens; num_blocks is per region and equal on every rank of the
     engine; specs carry per-rank head counts (see per_rank_heads).
+
+    dcp_size: decode context parallelism (MLA only, 1 or the TP size). With DCP > 1 a
+    request's tokens are dealt out block by block over the ranks: the block at position
+    j of a rank's block list holds the request's block j·dcp_size + rank (MAPPING.md §8).
     """
 
     model_id: str
@@ -78,6 +82,7 @@ class EngineLayout:
     groups: tuple[KVCacheGroup, ...]
     kv_memory_layout: KvMemoryLayout = KvMemoryLayout.HND
     region_layout: RegionLayout = RegionLayout.SPLIT_KV
+    dcp_size: int = 1
 
     @property
     def group_spec_types(self) -> tuple[type[KVCacheSpec], ...]:
@@ -130,6 +135,7 @@ class EngineLayout:
             # anything else would drop or split heads.
             bad.append(FieldViolation("layout.total_num_kv_heads",
                                       f"{k} KV heads cannot be sharded over TP {tp_size}: one must divide the other"))
+        bad.extend(self._check_dcp(tp_size))
         if bad:
             raise InvalidArgument(
                 "INVALID_LAYOUT",
@@ -137,6 +143,21 @@ class EngineLayout:
                 {"model_id": self.model_id},
                 field_violations=bad,
             )
+
+    def _check_dcp(self, tp_size: int | None) -> list[FieldViolation]:
+        dcp = self.dcp_size
+        if dcp == 1:
+            return []
+        if dcp < 1:
+            return [FieldViolation("layout.dcp_size", "must be positive (1: no decode context parallelism)")]
+        bad = []
+        if not self.is_mla:
+            bad.append(FieldViolation("layout.dcp_size", f"is {dcp} but DCP shards only MLA caches; this layout "
+                                      "has other attention groups"))
+        if tp_size and dcp != tp_size:
+            # A partly replicated, partly sharded cache has no closed-form mapping.
+            bad.append(FieldViolation("layout.dcp_size", f"is {dcp} but must be 1 or the TP size {tp_size}"))
+        return bad
 
     def _check_leaf(self, where: str, name: str, spec: KVCacheSpec, tp_size: int | None) -> list[FieldViolation]:
         bad: list[FieldViolation] = []

@@ -12,6 +12,7 @@ from kvsvc.layout.compat import check_compatibility
 from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.regions import PoolLayout, build_pool_layout
 from kvsvc.layout.specs import SpecFamily
+from kvsvc.mapping.dcp import DcpGroup, dcp_group
 from kvsvc.mapping.geometry import Reads, attention_units, check_block_ids, coalesce, ssm_units
 from kvsvc.mapping.topology import TransferTopology, handshake_target_ranks, tp_ratio
 from kvsvc.mapping.tp_mapping import TPMapping, compute_tp_mapping
@@ -101,24 +102,42 @@ def trim_prefix(local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int, *, gr
     return remote_ids[prefix * ratio:], prefix
 
 
+def _request_part(rids: np.ndarray, num_tokens: int, block_size: int, group: int) -> np.ndarray:
+    """The remote ids that hold the request's tokens: a list may end in allocated, unfilled blocks."""
+    needed = -(-num_tokens // block_size)
+    if rids.size < needed:
+        raise InvalidArgument(
+            "BLOCK_COUNT_MISMATCH",
+            f"group {group}: {num_tokens} tokens fill {needed} remote blocks of {block_size}, got {rids.size} ids",
+            {"group": group, "remote_blocks": int(rids.size), "needed": needed, "num_tokens": num_tokens})
+    return rids[:needed]
+
+
 @dataclass(frozen=True, slots=True)
 class RequestBlocks:
     """One request's block ids, checked and paired once for every local rank.
 
     ids[g] = (local ids, remote ids to read) of group g, sorted by local id where that
     lets coalescing skip its sort; skipped[g] = local blocks a prefix hit skipped.
+    dcp[g]: the group's pairing under DCP (§8), which differs per local and remote rank;
+    None for a group (or a pair of engines) without DCP.
     """
 
     ids: tuple[tuple[np.ndarray, np.ndarray], ...]
     skipped: tuple[int, ...]
     block_ratio: int
+    dcp: tuple[DcpGroup | None, ...] = ()
 
 
 def prepare_blocks(
     local: Side, remote: Side, local_block_ids: Sequence[Sequence[int] | np.ndarray],
-    remote_block_ids: Sequence[Sequence[int] | np.ndarray],
+    remote_block_ids: Sequence[Sequence[int] | np.ndarray], remote_num_tokens: int = 0,
 ) -> RequestBlocks:
-    """UNKNOWN_GROUP / BLOCK_OUT_OF_RANGE / DUPLICATE_BLOCK_ID / BLOCK_COUNT_MISMATCH, or the pairing."""
+    """UNKNOWN_GROUP / BLOCK_OUT_OF_RANGE / DUPLICATE_BLOCK_ID / BLOCK_COUNT_MISMATCH, or the pairing.
+
+    remote_num_tokens (the request's length, 0: not given) is needed when the remote
+    engine uses DCP; without DCP on either side it is not used.
+    """
     lay, rlay = local.layout, remote.layout
     ngroups = len(lay.groups)
     for name, given in (("local", local_block_ids), ("remote", remote_block_ids)):
@@ -129,13 +148,26 @@ def prepare_blocks(
                 {"side": name, "given_groups": len(given), "layout_groups": ngroups},
             )
     n = lay.block_size // rlay.block_size
+    with_dcp = lay.dcp_size > 1 or rlay.dcp_size > 1
     ids: list[tuple[np.ndarray, np.ndarray]] = []
     skipped: list[int] = []
+    dcp: list[DcpGroup | None] = []
     for g in range(ngroups):
         lids, rids = _as_ids(local_block_ids[g]), _as_ids(remote_block_ids[g])
         check_block_ids(lids, lay.num_blocks, side="local", group=g)
         check_block_ids(rids, rlay.num_blocks, side="remote", group=g)
         ssm = lay.groups[g].family is SpecFamily.SSM
+        if with_dcp and not ssm:
+            # Pairs depend on the local and the remote rank: kept in position order, paired per rank.
+            grp = dcp_group(lids, rids, num_tokens=remote_num_tokens, block_size=lay.block_size,
+                            local_dcp=lay.dcp_size, remote_dcp=rlay.dcp_size, group=g)
+            ids.append((lids, rids))
+            skipped.append(grp.computed)
+            dcp.append(grp)
+            continue
+        dcp.append(None)
+        if remote_num_tokens and not ssm:
+            rids = _request_part(rids, remote_num_tokens, rlay.block_size, g)
         rids, prefix = trim_prefix(lids, rids, 1 if ssm else n, group=g, ssm=ssm)
         if n == 1 or ssm:
             # Blocks in local order once per group: every region's units then come out in
@@ -144,7 +176,7 @@ def prepare_blocks(
             lids, rids = lids[order], rids[order]
         ids.append((lids, rids))
         skipped.append(prefix)
-    return RequestBlocks(tuple(ids), tuple(skipped), n)
+    return RequestBlocks(tuple(ids), tuple(skipped), n, tuple(dcp) if with_dcp else ())
 
 
 def plan_rank(
@@ -156,6 +188,7 @@ def plan_rank(
     *,
     validated: bool = False,
     blocks: RequestBlocks | None = None,
+    remote_num_tokens: int = 0,
 ) -> RankPlan:
     """The reads of local_rank; raises InvalidArgument / FailedPrecondition on bad input.
 
@@ -165,11 +198,13 @@ def plan_rank(
     if not validated:
         validate_pair(local, remote)
     if blocks is None:
-        blocks = prepare_blocks(local, remote, local_block_ids, remote_block_ids)
+        blocks = prepare_blocks(local, remote, local_block_ids, remote_block_ids, remote_num_tokens)
     lay = local.layout
     ratio = tp_ratio(local.tp_size, remote.tp_size)
-    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size)
-    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types)
+    rdcp = remote.layout.dcp_size
+    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size,
+                            dcp_size=lay.dcp_size)
+    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types, rdcp)
     n = blocks.block_ratio
     per_rank: dict[int, list] = {}
     for a, b in zip(local.pool.regions, remote.pool.regions, strict=True):
@@ -178,12 +213,21 @@ def plan_rank(
         if lids.size == 0:
             continue
         sources = mapping.source_ranks_per_group[g]
+        grp = blocks.dcp[g] if blocks.dcp else None
+        if grp is not None:
+            for r in sources:  # each source fills the positions whose blocks it holds
+                pl, pr = grp.pairs(local_rank, r)
+                if pl.size:
+                    for rr, u in attention_units(a, b, pl, pr, 1, mapping, (r,), ratio).items():
+                        per_rank.setdefault(rr, []).append(u)
+            continue
         if a.is_ssm:
             units = ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size)
         else:
             units = attention_units(a, b, lids, rids, n, mapping, sources, ratio)
         for r, u in units.items():
             per_rank.setdefault(r, []).append(u)
-    reads = tuple(coalesce(r, per_rank[r], ordered=n == 1) for r in sorted(per_rank))
-    targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size))
+    ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing
+    reads = tuple(coalesce(r, per_rank[r], ordered=ordered) for r in sorted(per_rank))
+    targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size, lay.dcp_size, rdcp))
     return RankPlan(local_rank, ratio, targets, mapping, reads, blocks.skipped)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.mapping.dcp import dcp_source_ranks
 
 
 def tp_ratio(local_tp_size: int, remote_tp_size: int) -> int:
@@ -24,9 +25,16 @@ def tp_ratio(local_tp_size: int, remote_tp_size: int) -> int:
     )
 
 
-def handshake_target_ranks(tp_rank: int, local_tp_size: int, remote_tp_size: int) -> list[int]:
-    """The remote ranks local rank tp_rank reads from or notifies."""
+def handshake_target_ranks(tp_rank: int, local_tp_size: int, remote_tp_size: int, local_dcp_size: int = 1,
+                           remote_dcp_size: int = 1) -> list[int]:
+    """The remote ranks local rank tp_rank reads from or notifies.
+
+    A remote engine with DCP (MLA) holds each block on one rank: the targets are the ranks
+    holding this rank's blocks (§8). Otherwise they follow the TP ratio (§2).
+    """
     ratio = tp_ratio(local_tp_size, remote_tp_size)
+    if remote_dcp_size > 1:
+        return dcp_source_ranks(tp_rank, local_dcp_size, remote_tp_size, remote_dcp_size)
     if ratio > 0:
         return [tp_rank // ratio]
     return [tp_rank * -ratio + i for i in range(-ratio)]
@@ -36,7 +44,7 @@ def handshake_target_ranks(tp_rank: int, local_tp_size: int, remote_tp_size: int
 class TransferTopology:
     """The local side of a transfer: rank, TP size, model heads (K) and MLA.
 
-    block_size is the local block size in tokens.
+    block_size is the local block size in tokens; dcp_size the local DCP size (MLA).
     """
 
     tp_rank: int
@@ -45,6 +53,7 @@ class TransferTopology:
     is_mla: bool = False
     block_size: int = 16
     engine_id: str = ""
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -59,8 +68,8 @@ class TransferTopology:
     def tp_ratio(self, remote_tp_size: int) -> int:
         return tp_ratio(self.tp_size, remote_tp_size)
 
-    def handshake_target_ranks(self, remote_tp_size: int) -> list[int]:
-        return handshake_target_ranks(self.tp_rank, self.tp_size, remote_tp_size)
+    def handshake_target_ranks(self, remote_tp_size: int, remote_dcp_size: int = 1) -> list[int]:
+        return handshake_target_ranks(self.tp_rank, self.tp_size, remote_tp_size, self.dcp_size, remote_dcp_size)
 
     def describe(self, remote_tp_size: int, remote_block_len: int | None = None) -> str:
         """One log line: ratio, heads, TP sizes, rank and remote block length."""

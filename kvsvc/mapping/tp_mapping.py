@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvsvc.layout.specs import KVCacheSpec, MambaSpec
+from kvsvc.mapping.dcp import dcp_source_ranks
 from kvsvc.mapping.topology import tp_ratio
 
 
@@ -24,6 +25,9 @@ class TopologyLike(Protocol):
 
     @property
     def is_mla(self) -> bool: ...
+
+    @property
+    def dcp_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +63,21 @@ def _attention_sources(t: int, lt: int, rt: int, k: int, is_mla: bool) -> list[i
 
 
 def compute_tp_mapping(
-    topology: TopologyLike, remote_tp_size: int, group_spec_types: Sequence[type[KVCacheSpec]]
+    topology: TopologyLike, remote_tp_size: int, group_spec_types: Sequence[type[KVCacheSpec]],
+    remote_dcp_size: int = 1,
 ) -> TPMapping:
-    """The source ranks, slots and offset factor of topology's rank against remote_tp_size."""
+    """The source ranks, slots and offset factor of topology's rank against remote_tp_size.
+
+    A remote MLA engine with DCP holds each block on one rank: the sources are the ranks
+    holding this rank's blocks (§8), each filling the block positions it holds.
+    """
     t, lt, rt = topology.tp_rank, topology.tp_size, remote_tp_size
     k, is_mla = topology.total_num_kv_heads, topology.is_mla
     tp_ratio(lt, rt)  # raises TP_NOT_DIVISIBLE
-    attn = _attention_sources(t, lt, rt, k, is_mla)
+    if is_mla and remote_dcp_size > 1:
+        attn = dcp_source_ranks(t, topology.dcp_size, rt, remote_dcp_size)
+    else:
+        attn = _attention_sources(t, lt, rt, k, is_mla)
     has_ssm = any(issubclass(s, MambaSpec) for s in group_spec_types)
     if not has_ssm:
         ssm: list[int] = []

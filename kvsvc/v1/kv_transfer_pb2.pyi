@@ -212,7 +212,7 @@ class KvCacheGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[KvCacheSpec, _Mapping]] = ..., layer_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("model_id", "total_num_kv_heads", "block_size_tokens", "num_blocks", "kv_memory_layout", "region_layout", "groups")
+    __slots__ = ("model_id", "total_num_kv_heads", "block_size_tokens", "num_blocks", "kv_memory_layout", "region_layout", "groups", "dcp_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class KvLayout(_message.Message):
     KV_MEMORY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGION_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     total_num_kv_heads: int
     block_size_tokens: int
@@ -227,7 +228,8 @@ class KvLayout(_message.Message):
     kv_memory_layout: KvMemoryLayout
     region_layout: RegionLayout
     groups: _containers.RepeatedCompositeFieldContainer[KvCacheGroup]
-    def __init__(self, model_id: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_memory_layout: _Optional[_Union[KvMemoryLayout, str]] = ..., region_layout: _Optional[_Union[RegionLayout, str]] = ..., groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ...) -> None: ...
+    dcp_size: int
+    def __init__(self, model_id: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_memory_layout: _Optional[_Union[KvMemoryLayout, str]] = ..., region_layout: _Optional[_Union[RegionLayout, str]] = ..., groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ..., dcp_size: _Optional[int] = ...) -> None: ...
 
 class RegionInfo(_message.Message):
     __slots__ = ("region_index", "kind", "group_index", "layer_name", "pool_offset_bytes", "base_address", "block_len_bytes", "block_stride_bytes", "num_blocks")
@@ -400,7 +402,7 @@ class EngineServer(_message.Message):
     def __init__(self, address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers")
+    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers", "remote_dcp_size", "remote_num_tokens")
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +411,8 @@ class TransferParams(_message.Message):
     REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REMOTE_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     remote_address: str
     remote_engine_id: str
     remote_request_id: str
@@ -417,19 +421,23 @@ class TransferParams(_message.Message):
     remote_tp_size: int
     lease_token: str
     remote_servers: _containers.RepeatedCompositeFieldContainer[EngineServer]
-    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ...) -> None: ...
+    remote_dcp_size: int
+    remote_num_tokens: int
+    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ..., remote_dcp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ...) -> None: ...
 
 class PublishBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms", "lease_token")
+    __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms", "lease_token", "num_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     lease_ttl_ms: int
     lease_token: str
-    def __init__(self, request_id: _Optional[str] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PublishBlocksResponse(_message.Message):
     __slots__ = ("params", "lease_expires_unix_ms")
@@ -440,7 +448,7 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -449,6 +457,7 @@ class ClaimLeaseRequest(_message.Message):
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
@@ -457,7 +466,8 @@ class ClaimLeaseRequest(_message.Message):
     lease_token: str
     claim_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    dcp_size: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms")
@@ -476,20 +486,22 @@ class InlineRemote(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PlanTransferRequest(_message.Message):
-    __slots__ = ("inline_remote", "remote_address", "local_block_ids_per_group", "remote_block_ids_per_group", "local_ranks", "summary_only")
+    __slots__ = ("inline_remote", "remote_address", "local_block_ids_per_group", "remote_block_ids_per_group", "local_ranks", "summary_only", "remote_num_tokens")
     INLINE_REMOTE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     inline_remote: InlineRemote
     remote_address: str
     local_block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     remote_block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     local_ranks: _containers.RepeatedScalarFieldContainer[int]
     summary_only: bool
-    def __init__(self, inline_remote: _Optional[_Union[InlineRemote, _Mapping]] = ..., remote_address: _Optional[str] = ..., local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., local_ranks: _Optional[_Iterable[int]] = ..., summary_only: _Optional[bool] = ...) -> None: ...
+    remote_num_tokens: int
+    def __init__(self, inline_remote: _Optional[_Union[InlineRemote, _Mapping]] = ..., remote_address: _Optional[str] = ..., local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., local_ranks: _Optional[_Iterable[int]] = ..., summary_only: _Optional[bool] = ..., remote_num_tokens: _Optional[int] = ...) -> None: ...
 
 class ByteRange(_message.Message):
     __slots__ = ("local_region", "local_offset_bytes", "remote_region", "remote_offset_bytes", "length_bytes")
