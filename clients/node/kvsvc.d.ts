@@ -4,6 +4,8 @@ export interface BlockIds { block_ids: number[] }
 export interface TransferParams {
   remote_address: string; remote_engine_id: string; remote_request_id: string;
   remote_block_ids_per_group: BlockIds[]; remote_epoch: string; remote_tp_size: number; lease_token: string;
+  remote_servers?: { address: string; ranks: number[]; epoch: string }[];
+  remote_dcp_size?: number; remote_num_tokens?: string;
 }
 export interface RegionInfo {
   region_index: number; kind: string; group_index: number; layer_name: string; pool_offset_bytes: string;
@@ -48,7 +50,7 @@ export class KvsvcClient {
   constructor(address: string, options?: { timeoutMs?: number; credentials?: unknown });
   getInfo(request?: {}, options?: CallOptions): Promise<GetInfoResponse>;
   handshake(request: Record<string, unknown>, options?: CallOptions): Promise<Record<string, unknown>>;
-  publishBlocks(request: { request_id: string; block_ids_per_group: BlockIds[]; lease_ttl_ms?: number }, options?: CallOptions): Promise<PublishBlocksResponse>;
+  publishBlocks(request: { request_id: string; block_ids_per_group: BlockIds[]; lease_ttl_ms?: number; num_tokens?: number | string }, options?: CallOptions): Promise<PublishBlocksResponse>;
   claimLease(request: Record<string, unknown>, options?: CallOptions): Promise<{ lease_expires_unix_ms: string; lease_remaining_ms: number }>;
   planTransfer(request: Record<string, unknown>, options?: CallOptions): Promise<PlanTransferResponse>;
   transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[] }, options?: CallOptions): Promise<TransferResponse>;

@@ -24,14 +24,19 @@ from kvsvc.verify import RankMemory, check_rank, fill_rank
 REQUEST_ID = "demo-1"
 
 
-def demo_layout(args: argparse.Namespace) -> dict[str, Any]:
+def demo_layout(args: argparse.Namespace, dcp_size: int = 1) -> dict[str, Any]:
     head = args.head_size or (576 if args.mla else 128)
     return {
         "model_id": "kvsvc-demo", "total_num_kv_heads": args.kv_heads, "block_size": args.block_size,
-        "num_blocks": max(2 * args.blocks, 16), "dtype": args.dtype,
+        "num_blocks": max(2 * args.blocks, 16), "dtype": args.dtype, "dcp_size": dcp_size,
         "groups": [{"name": "mla" if args.mla else "full", "kind": "mla" if args.mla else "full_attention",
                     "num_layers": args.layers, "head_size": head}],
     }
+
+
+def num_tokens(args: argparse.Namespace) -> int:
+    """The demo request's length: --blocks blocks, the last one half full."""
+    return (args.blocks - 1) * args.block_size + (args.block_size + 1) // 2
 
 
 class Steps:
@@ -73,20 +78,23 @@ async def _transfer(args: argparse.Namespace, pcs: list[AsyncClient], dcs: list[
     rng = random.Random(7)
     p_layout = layout_from_proto(pinfo.layout, tp_size=pinfo.tp_size)
     d_layout = layout_from_proto(dinfo.layout, tp_size=dinfo.tp_size)
-    p_ids = [rng.sample(range(p_layout.num_blocks), args.blocks)]
-    d_ids = [rng.sample(range(d_layout.num_blocks), args.blocks)]
+    tokens = num_tokens(args)
+    # With DCP each rank holds every dcp-th block of the request: fewer ids per rank.
+    p_ids = [rng.sample(range(p_layout.num_blocks), -(-args.blocks // p_layout.dcp_size))]
+    d_ids = [rng.sample(range(d_layout.num_blocks), -(-args.blocks // d_layout.dcp_size))]
 
-    steps.start(f"prefill engine writes {args.blocks} blocks on each of its {pinfo.tp_size} ranks and publishes")
+    held = f"{len(p_ids[0])} of its blocks" if p_layout.dcp_size > 1 else f"{args.blocks} blocks"
+    steps.start(f"prefill engine writes {held} ({tokens} tokens) on each of its {pinfo.tp_size} ranks and publishes")
     p_regions = build_pool_layout(p_layout).regions
     for info in pinfos:
         for pool in info.pools:
             with attach_pool(pool) as ap:
                 fill_rank(RankMemory(p_regions, ap.buffer), pool.tp_rank, pinfo.tp_size,
-                          p_layout.total_num_kv_heads, p_ids, p_layout.block_size)
+                          p_layout.total_num_kv_heads, p_ids, p_layout.block_size, p_layout.dcp_size)
     # Subscribed on every prefill server before anything can be released.
     streams = [await c.open_release_stream() for c in pcs]
     watches = [asyncio.ensure_future(_first_release(s)) for s in streams]
-    pub = await pcs[0].publish_blocks(REQUEST_ID, p_ids)
+    pub = await pcs[0].publish_blocks(REQUEST_ID, p_ids, num_tokens=tokens)
     steps.done(f"lease until unix ms {pub.lease_expires_unix_ms}")
     if len(pub.params.remote_servers) > 1:
         steps.note("the params name every prefill server: " + ", ".join(
@@ -95,7 +103,8 @@ async def _transfer(args: argparse.Namespace, pcs: list[AsyncClient], dcs: list[
     steps.start("decode servers plan the transfer")
     plans = [await c.plan_transfer(pb.PlanTransferRequest(
         remote_address=pcs[0].address, local_block_ids_per_group=[pb.BlockIds(block_ids=d_ids[0])],
-        remote_block_ids_per_group=[pb.BlockIds(block_ids=p_ids[0])], summary_only=True)) for c in dcs]
+        remote_block_ids_per_group=[pb.BlockIds(block_ids=p_ids[0])], summary_only=True,
+        remote_num_tokens=tokens)) for c in dcs]
     steps.done()
     for plan in plans:
         for rp in plan.rank_plans:
@@ -122,7 +131,8 @@ async def _transfer(args: argparse.Namespace, pcs: list[AsyncClient], dcs: list[
         for pool in info.pools:
             with attach_pool(pool) as ap:
                 errs = check_rank(RankMemory(d_regions, ap.buffer), pool.tp_rank, dinfo.tp_size,
-                                  d_layout.total_num_kv_heads, d_ids, d_layout.block_size)
+                                  d_layout.total_num_kv_heads, d_ids, d_layout.block_size,
+                                  dcp_size=d_layout.dcp_size, num_tokens=tokens)
                 errors += [f"rank {pool.tp_rank}: {e}" for e in errs[:5]]
     steps.done("VERIFIED: every decode rank holds exactly its KV, byte for byte" if not errors else "MISMATCH")
     for e in errors:
@@ -143,10 +153,10 @@ async def _first_release(stream: ReleaseStream) -> pb.WatchReleasesResponse:
         stream.cancel()
 
 
-def check_shape(layout: dict[str, Any], args: argparse.Namespace) -> None:
+def check_shape(args: argparse.Namespace) -> None:
     """Refuse an impossible demo up front, with the reason the service would give."""
-    p_layout = layout_from_dict(layout, args.prefill_tp)
-    d_layout = layout_from_dict(layout, args.decode_tp)
+    p_layout = layout_from_dict(demo_layout(args, args.prefill_dcp), args.prefill_tp)
+    d_layout = layout_from_dict(demo_layout(args, args.decode_dcp), args.decode_tp)
     validate_pair(Side.of(d_layout, args.decode_tp), Side.of(p_layout, args.prefill_tp))
     if args.blocks <= 0:
         raise InvalidArgument("INVALID_ARGUMENT", f"--blocks must be positive, got {args.blocks}")
@@ -159,19 +169,21 @@ def check_shape(layout: dict[str, Any], args: argparse.Namespace) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     layout = demo_layout(args)
-    check_shape(layout, args)
+    check_shape(args)
     kind = "MLA" if args.mla else f"GQA K={args.kv_heads}"
+    dcp = [f"{side} DCP {n}" for side, n in (("prefill", args.prefill_dcp), ("decode", args.decode_dcp)) if n > 1]
+    kind += f" ({', '.join(dcp)})" if dcp else ""
     if not args.quiet:
         print(f"kvsvc demo: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {kind}, {args.layers} layers, "
               f"head {layout['groups'][0]['head_size']}, {args.dtype}, {args.blocks} blocks x {args.block_size} tokens")
     steps = Steps(5, args.quiet)
     steps.start(f"starting the prefill engine on {args.prefill_servers} and the decode engine on "
                 f"{args.decode_servers} server process(es) (one NIXL agent per rank)")
-    prefill = start_engine(engine_id="demo-prefill", role="prefill", tp_size=args.prefill_tp, layout=layout,
-                           servers=args.prefill_servers)
+    prefill = start_engine(engine_id="demo-prefill", role="prefill", tp_size=args.prefill_tp,
+                           layout=demo_layout(args, args.prefill_dcp), servers=args.prefill_servers)
     try:
-        decode = start_engine(engine_id="demo-decode", role="decode", tp_size=args.decode_tp, layout=layout,
-                              servers=args.decode_servers)
+        decode = start_engine(engine_id="demo-decode", role="decode", tp_size=args.decode_tp,
+                              layout=demo_layout(args, args.decode_dcp), servers=args.decode_servers)
     except BaseException:
         for sp in prefill:
             sp.stop()

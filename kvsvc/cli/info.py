@@ -12,7 +12,8 @@ def format_info(info: pb.GetInfoResponse) -> str:
         f"engine      {info.engine_id}  ({pb.Role.Name(info.role).removeprefix('ROLE_').lower()})",
         f"address     {info.advertised_address}",
         f"version     kvsvc {info.server_version}   epoch {info.epoch}",
-        f"TP          size {info.tp_size}, hosted ranks {list(info.hosted_ranks)}",
+        f"TP          size {info.tp_size}, hosted ranks {list(info.hosted_ranks)}"
+        + (f", DCP {info.layout.dcp_size}" if info.layout.dcp_size > 1 else ""),
         f"model       {lay.model_id}  K={lay.total_num_kv_heads}  block {lay.block_size_tokens} tokens  "
         f"{lay.num_blocks} blocks  {pb.KvMemoryLayout.Name(lay.kv_memory_layout).removeprefix('KV_MEMORY_LAYOUT_')}"
         f"  {pb.RegionLayout.Name(lay.region_layout).removeprefix('REGION_LAYOUT_').lower()}",

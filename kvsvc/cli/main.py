@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the prefill engine's ranks evenly over this many server processes")
     d.add_argument("--decode-servers", type=int, default=1,
                    help="split the decode engine's ranks evenly over this many server processes")
+    d.add_argument("--prefill-dcp", type=int, default=1,
+                   help="decode context parallelism of the prefill engine (MLA only: 1 or --prefill-tp)")
+    d.add_argument("--decode-dcp", type=int, default=1,
+                   help="decode context parallelism of the decode engine (MLA only: 1 or --decode-tp)")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=_demo)
 

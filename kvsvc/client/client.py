@@ -133,10 +133,11 @@ class AsyncClient:
 
     async def publish_blocks(
         self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], *, lease_ttl_ms: int = 0,
-        timeout_s: float | None = None,
+        num_tokens: int = 0, timeout_s: float | None = None,
     ) -> pb.PublishBlocksResponse:
+        """Lease a request's blocks; num_tokens (the request's length) is required on a DCP engine."""
         req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=_blocks(block_ids_per_group),
-                                      lease_ttl_ms=lease_ttl_ms)
+                                      lease_ttl_ms=lease_ttl_ms, num_tokens=num_tokens)
         return await self.publish_blocks_request(req, timeout_s=timeout_s)
 
     async def publish_blocks_request(self, request: pb.PublishBlocksRequest, *,

@@ -95,7 +95,7 @@ def check_compatibility(
 
 
 def _check_dcp(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
-    """The DCP rules (MAPPING.md §8): sizes that divide one another, equal block sizes, and
+    """The DCP rules (MAPPING.md §9): sizes that divide one another, equal block sizes, and
     equal DCP sizes when SSM state travels too."""
     lc, rd = local.dcp_size, remote.dcp_size
     if lc == 1 and rd == 1:

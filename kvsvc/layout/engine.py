@@ -72,7 +72,7 @@ class EngineLayout:
 
     dcp_size: decode context parallelism (MLA only, 1 or the TP size). With DCP > 1 a
     request's tokens are dealt out block by block over the ranks: the block at position
-    j of a rank's block list holds the request's block j·dcp_size + rank (MAPPING.md §8).
+    j of a rank's block list holds the request's block j·dcp_size + rank (MAPPING.md §9).
     """
 
     model_id: str

@@ -71,6 +71,7 @@ class Lease:
     state: LeaseState = LeaseState.OFFERED
     d_engine_id: str = ""
     d_tp_size: int = 0
+    d_dcp_size: int = 1
     tracker: ReleaseTracker | None = None
     claims: dict[str, Claim] = field(default_factory=dict)
     released_unix_ms: int = 0
@@ -115,7 +116,7 @@ def _check_token(lease: Lease, token: str) -> None:
 
 @dataclass
 class LeaseTable:
-    """Leases of one P server; hosted_ranks and tp_size are this engine's."""
+    """Leases of one P server; hosted_ranks, tp_size and dcp_size are this engine's."""
 
     epoch: int
     hosted_ranks: Sequence[int]
@@ -124,6 +125,7 @@ class LeaseTable:
     max_ttl_s: float = 600.0
     on_claim_change: Callable[[int], None] = lambda delta: None
     max_live: int = 65_536
+    dcp_size: int = 1
     _live: dict[str, Lease] = field(default_factory=dict)
     _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
     _heap: list[tuple[float, str]] = field(default_factory=list)
@@ -193,7 +195,7 @@ class LeaseTable:
         return lease
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
-              d_ranks: Sequence[int] = (), extend_s: float | None = None) -> Lease:
+              d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1) -> Lease:
         """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
 
         A lease has one owner per D rank: another claim_id for overlapping ranks, or any
@@ -207,7 +209,8 @@ class LeaseTable:
         if bad:
             raise InvalidArgument("RANK_OUT_OF_RANGE", f"ranks {bad[:8]} are outside the D TP size {d_tp_size}",
                                   {"ranks": ",".join(map(str, bad[:8])), "tp_size": d_tp_size})
-        if lease.state is LeaseState.CLAIMED and (lease.d_engine_id, lease.d_tp_size) != (d_engine_id, d_tp_size):
+        if lease.state is LeaseState.CLAIMED and (lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size) != (
+                d_engine_id, d_tp_size, d_dcp_size):
             raise FailedPrecondition("LEASE_CLAIMED", f"request {request_id!r} is claimed by engine "
                                      f"{lease.d_engine_id!r} (TP {lease.d_tp_size})",
                                      {"request_id": request_id, "claimed_by": lease.d_engine_id})
@@ -225,8 +228,8 @@ class LeaseTable:
             lease.claims[claim_id] = Claim(claim_id, ranks)
         if lease.state is LeaseState.OFFERED:
             lease.state = LeaseState.CLAIMED
-            lease.d_engine_id, lease.d_tp_size = d_engine_id, d_tp_size
-            lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size)
+            lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size = d_engine_id, d_tp_size, d_dcp_size
+            lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size, d_dcp_size, self.dcp_size)
             self._claimed += 1
             self._no_claims.clear()
             self.on_claim_change(+1)

@@ -1,4 +1,4 @@
-"""Decode context parallelism (DCP) for MLA: who holds which blocks of a request (MAPPING.md §8).
+"""Decode context parallelism (DCP) for MLA: who holds which blocks of a request (MAPPING.md §9).
 
 An engine with DCP size d deals a request's blocks out over its ranks: position j of
 rank r's block list holds the request's block g = j·d + r % d (d = 1: every rank holds

@@ -119,7 +119,7 @@ class RequestBlocks:
 
     ids[g] = (local ids, remote ids to read) of group g, sorted by local id where that
     lets coalescing skip its sort; skipped[g] = local blocks a prefix hit skipped.
-    dcp[g]: the group's pairing under DCP (§8), which differs per local and remote rank;
+    dcp[g]: the group's pairing under DCP (§9), which differs per local and remote rank;
     None for a group (or a pair of engines) without DCP.
     """
 

@@ -13,7 +13,7 @@ def expected_notifiers(remote_rank: int, local_tp_size: int, remote_tp_size: int
 
     Readers and notify-only ranks alike: L // R of them when L > R, else exactly one.
     Generalises vLLM's "request:tp_size" count, and covers P ranks that GQA dedup skips.
-    A P engine with DCP (§8) is owed by the D ranks that read some of its blocks there.
+    A P engine with DCP (§9) is owed by the D ranks that read some of its blocks there.
     """
     ratio = tp_ratio(local_tp_size, remote_tp_size)
     if remote_dcp_size > 1:

@@ -30,7 +30,7 @@ def handshake_target_ranks(tp_rank: int, local_tp_size: int, remote_tp_size: int
     """The remote ranks local rank tp_rank reads from or notifies.
 
     A remote engine with DCP (MLA) holds each block on one rank: the targets are the ranks
-    holding this rank's blocks (§8). Otherwise they follow the TP ratio (§2).
+    holding this rank's blocks (§9). Otherwise they follow the TP ratio (§2).
     """
     ratio = tp_ratio(local_tp_size, remote_tp_size)
     if remote_dcp_size > 1:

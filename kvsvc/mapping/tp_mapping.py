@@ -69,7 +69,7 @@ def compute_tp_mapping(
     """The source ranks, slots and offset factor of topology's rank against remote_tp_size.
 
     A remote MLA engine with DCP holds each block on one rank: the sources are the ranks
-    holding this rank's blocks (§8), each filling the block positions it holds.
+    holding this rank's blocks (§9), each filling the block positions it holds.
     """
     t, lt, rt = topology.tp_rank, topology.tp_size, remote_tp_size
     k, is_mla = topology.total_num_kv_heads, topology.is_mla

@@ -26,7 +26,16 @@ from kvsvc.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_WAIT_MS, check_block_lists, check_id, check_tp_size, clip, too_big
+from kvsvc.limits import (
+    MAX_ADDRESS_BYTES,
+    MAX_WAIT_MS,
+    check_block_lists,
+    check_id,
+    check_num_tokens,
+    check_tp_size,
+    clip,
+    too_big,
+)
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.legs import (
     ClaimRefused,
@@ -124,6 +133,8 @@ def _check_request(req: pb.TransferRequest) -> None:
     for name in ("remote_engine_id", "remote_request_id", "lease_token"):
         check_id(getattr(p, name), f"params.{name}")
     check_tp_size(p.remote_tp_size, "params.remote_tp_size")
+    check_tp_size(p.remote_dcp_size, "params.remote_dcp_size")
+    check_num_tokens(p.remote_num_tokens, "params.remote_num_tokens")
     check_block_lists([g.block_ids for g in p.remote_block_ids_per_group], "params.remote_block_ids_per_group")
     check_block_lists([g.block_ids for g in req.local_block_ids_per_group], "local_block_ids_per_group")
 
@@ -191,7 +202,8 @@ class Decoder:
         p, node = req.params, self.node
         named = p_servers(p)
         try:
-            needed = servers_needed(named, node.hosted_ranks, node.config.tp_size, p.remote_tp_size)
+            needed = servers_needed(named, node.hosted_ranks, node.config.tp_size, p.remote_tp_size,
+                                    node.layout.dcp_size, p.remote_dcp_size or 1)
         except FailedPrecondition:
             self._spawn(self._abort_unpaired(p))  # an impossible pair: free P's blocks now
             raise
@@ -223,17 +235,24 @@ class Decoder:
                 raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but "
                                       f"{leg.peer.address} runs TP {leg.peer.tp_size} (or another layout)",
                                       {"params_tp_size": p.remote_tp_size, "remote_tp_size": leg.peer.tp_size})
+        if (p.remote_dcp_size or 1) != side.layout.dcp_size:
+            # The servers to claim at were chosen by the params' DCP size: a wrong one misses ranks.
+            self._spawn(self._abort_unpaired(p))
+            raise InvalidArgument("DCP_MISMATCH", f"params say remote DCP {p.remote_dcp_size or 1} but the prefill "
+                                  f"engine runs DCP {side.layout.dcp_size}",
+                                  {"params_dcp_size": p.remote_dcp_size, "remote_dcp_size": side.layout.dcp_size})
         local_ids = block_ids_from_proto(req.local_block_ids_per_group)
         remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
         ranks = {r: rr for leg in legs for r, rr in leg.peer.ranks.items()}
         try:
-            plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True)
+            plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True,
+                              remote_num_tokens=p.remote_num_tokens)
             reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
         except (InvalidArgument, FailedPrecondition):
             self._spawn(self._abort_unpaired(p))
             raise  # blocks that cannot be read: free P's now, not at TTL
         marks = [("plan", time.perf_counter())]
-        own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16))
+        own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16), node.layout.dcp_size)
 
         posted: list[Posted] = []
         try:

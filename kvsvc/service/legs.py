@@ -55,14 +55,14 @@ def p_servers(p: pb.TransferParams) -> list[ServerRef]:
 
 
 def servers_needed(servers: Sequence[ServerRef], hosted: Sequence[int], d_tp: int,
-                   p_tp: int) -> list[tuple[ServerRef, list[int]]]:
+                   p_tp: int, d_dcp: int = 1, p_dcp: int = 1) -> list[tuple[ServerRef, list[int]]]:
     """Each server holding a P rank that some hosted D rank reads or notifies, with those D ranks.
 
     PEER_RANKS_MISSING when a needed P rank is on none of the servers.
     """
     if len(servers) == 1 and servers[0].ranks is None:
         return [(servers[0], list(hosted))]
-    targets = {t: set(handshake_target_ranks(t, d_tp, p_tp)) for t in hosted}
+    targets = {t: set(handshake_target_ranks(t, d_tp, p_tp, d_dcp, p_dcp)) for t in hosted}
     wanted = set().union(*targets.values())
     out, covered = [], set()
     for s in servers:
@@ -134,6 +134,7 @@ class Ownership:
     engine_id: str
     tp_size: int
     claim_id: str
+    dcp_size: int = 1
 
     def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
         """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
@@ -151,7 +152,8 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
         leg.claim = ClaimState.SENT
         resp = await leg.peer.client.claim_lease(pb.ClaimLeaseRequest(
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
-            tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks),
+            tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
+            dcp_size=own.dcp_size),
             timeout_s=timeout_s)
         leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
 

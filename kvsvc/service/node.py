@@ -55,7 +55,7 @@ class Node:
         self.data_error = ""
         self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
                                  config.max_lease_ttl_s, on_claim_change=self._claims_changed,
-                                 max_live=config.max_live_leases)
+                                 max_live=config.max_live_leases, dcp_size=self.layout.dcp_size)
         self._closed = False
         self.health_tasks: set[asyncio.Future[None]] = set()
 
@@ -137,10 +137,10 @@ class Node:
     # ---- planning -------------------------------------------------------------------
 
     def plan(self, remote: Side, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]],
-             ranks: Sequence[int], validated: bool = False) -> list[RankPlan]:
+             ranks: Sequence[int], validated: bool = False, remote_num_tokens: int = 0) -> list[RankPlan]:
         if not validated:
             validate_pair(self.side, remote)
-        blocks = prepare_blocks(self.side, remote, local_ids, remote_ids)  # once for every rank
+        blocks = prepare_blocks(self.side, remote, local_ids, remote_ids, remote_num_tokens)  # once for every rank
         return [plan_rank(self.side, remote, r, validated=True, blocks=blocks) for r in ranks]
 
     def plan_response(self, plans: Sequence[RankPlan], summary_only: bool) -> pb.PlanTransferResponse:

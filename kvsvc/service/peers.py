@@ -213,7 +213,8 @@ class PeerCache:
             try:
                 for h in resp.ranks:
                     for t in node.hosted_ranks:
-                        if h.tp_rank in handshake_target_ranks(t, node.config.tp_size, resp.tp_size):
+                        if h.tp_rank in handshake_target_ranks(t, node.config.tp_size, resp.tp_size,
+                                                               node.layout.dcp_size, side.layout.dcp_size):
                             await data.connect(t, h.agent_metadata, h.agent_name)
             except BaseException as e:
                 # Half-wired: forget what was added. A NIXL failure right after P answered is

@@ -12,8 +12,18 @@ from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout
 from kvsvc.config import Role
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import compatibility_hash
+from kvsvc.layout.specs import SpecFamily
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, monotonic_to_unix_ms
-from kvsvc.limits import MAX_TP_SIZE, MIN_CLAIM_ID_BYTES, check_block_lists, check_count, check_id, check_tp_size
+from kvsvc.limits import (
+    MAX_TP_SIZE,
+    MIN_CLAIM_ID_BYTES,
+    check_block_lists,
+    check_count,
+    check_id,
+    check_num_tokens,
+    check_tp_size,
+)
+from kvsvc.mapping.dcp import request_blocks
 from kvsvc.mapping.geometry import check_block_ids
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
@@ -101,6 +111,7 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
                                                              "layout_groups": len(node.layout.groups)})
     for g, ids in enumerate(groups):
         check_block_ids(np.asarray(ids, np.int64), node.layout.num_blocks, side="local", group=g)
+    _check_num_tokens(node, req.num_tokens, groups)
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token)
     servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch)]
     if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
@@ -112,8 +123,27 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
     params = pb.TransferParams(
         remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
         remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
-        remote_tp_size=node.config.tp_size, lease_token=lease.token, remote_servers=servers)
+        remote_tp_size=node.config.tp_size, lease_token=lease.token, remote_servers=servers,
+        remote_dcp_size=node.layout.dcp_size, remote_num_tokens=req.num_tokens)
     return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+
+
+def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> None:
+    """A DCP engine must say how long the request is; a length must fit the blocks published."""
+    check_num_tokens(num_tokens, "num_tokens")
+    dcp = node.layout.dcp_size
+    if not num_tokens:
+        if dcp > 1:
+            raise bad_field("num_tokens", f"must be set: this engine deals each request's blocks over {dcp} DCP "
+                            "ranks, and D needs to know where the real ones end", "NUM_TOKENS_REQUIRED")
+        return
+    needed = -(-request_blocks(num_tokens, node.layout.block_size) // dcp)
+    for g, (group, ids) in enumerate(zip(node.layout.groups, groups, strict=True)):
+        if group.family is not SpecFamily.SSM and len(ids) < needed:
+            raise InvalidArgument(
+                "BLOCK_COUNT_MISMATCH", f"group {g}: {num_tokens} tokens need {needed} block ids per rank (block size "
+                f"{node.layout.block_size}, DCP {dcp}), got {len(ids)}",
+                {"group": g, "block_ids": len(ids), "needed": needed, "num_tokens": num_tokens})
 
 
 def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ()) -> pb.ClaimLeaseResponse:
@@ -127,9 +157,12 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
     if len(req.claim_id.encode()) < MIN_CLAIM_ID_BYTES:
         raise bad_field("claim_id", f"must be a fresh secret of at least {MIN_CLAIM_ID_BYTES} characters",
                         "MISSING_FIELD")
+    d_dcp = req.dcp_size or 1
+    if d_dcp not in (1, req.tp_size):
+        raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", "INVALID_DCP_SIZE")
     lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
                                      d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
-                                     extend_s=_ttl_s(req.extend_ms))
+                                     extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp)
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
 

@@ -12,7 +12,7 @@ from grpc_status import rpc_status
 from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
-from kvsvc.limits import MAX_ADDRESS_BYTES, check_block_lists, check_id, check_tp_size
+from kvsvc.limits import MAX_ADDRESS_BYTES, check_block_lists, check_id, check_num_tokens, check_tp_size
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.service import prefill
@@ -59,6 +59,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     ) -> pb.PlanTransferResponse:
         check_block_lists([g.block_ids for g in request.local_block_ids_per_group], "local_block_ids_per_group")
         check_block_lists([g.block_ids for g in request.remote_block_ids_per_group], "remote_block_ids_per_group")
+        check_num_tokens(request.remote_num_tokens, "remote_num_tokens")
         which = request.WhichOneof("remote")
         if which == "inline_remote":
             remote = inline_remote_side(request.inline_remote, "inline_remote", self.node.config.tp_size)
@@ -72,6 +73,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         plans = self.node.plan(
             remote, block_ids_from_proto(request.local_block_ids_per_group),
             block_ids_from_proto(request.remote_block_ids_per_group), ranks,
+            remote_num_tokens=request.remote_num_tokens,
         )
         return self.node.plan_response(plans, request.summary_only)
 

@@ -43,7 +43,7 @@ class Siblings:
     async def publish(self, req: pb.PublishBlocksRequest, token: str) -> list[pb.EngineServer]:
         """Lease req on every sibling under token; the siblings' EngineServer entries."""
         fan = pb.PublishBlocksRequest(request_id=req.request_id, block_ids_per_group=req.block_ids_per_group,
-                                      lease_ttl_ms=req.lease_ttl_ms, lease_token=token)
+                                      lease_ttl_ms=req.lease_ttl_ms, lease_token=token, num_tokens=req.num_tokens)
         addresses = list(self.known)
         answers = await asyncio.gather(*(self._client(a).publish_blocks_request(fan) for a in addresses),
                                        return_exceptions=True)

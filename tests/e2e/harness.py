@@ -66,13 +66,15 @@ class Engine:
 
     def fill(self, ids: list[list[int]]) -> None:
         for rank, mem in self.mem.items():
-            fill_rank(mem, rank, self.info.tp_size, self.layout.total_num_kv_heads, ids, self.layout.block_size)
+            fill_rank(mem, rank, self.info.tp_size, self.layout.total_num_kv_heads, ids, self.layout.block_size,
+                      self.layout.dcp_size)
 
-    def check(self, ids: list[list[int]], first_position: list[int] | None = None) -> dict[int, list[str]]:
+    def check(self, ids: list[list[int]], first_position: list[int] | None = None,
+              num_tokens: int | None = None) -> dict[int, list[str]]:
         out = {}
         for rank, mem in self.mem.items():
             errs = check_rank(mem, rank, self.info.tp_size, self.layout.total_num_kv_heads, ids,
-                              self.layout.block_size, first_position)
+                              self.layout.block_size, first_position, self.layout.dcp_size, num_tokens)
             if errs:
                 out[rank] = errs[:3]
         return out

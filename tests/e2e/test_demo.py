@@ -18,6 +18,8 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
     (), ("--prefill-tp", "1", "--decode-tp", "2", "--mla", "--layers", "2"),
     ("--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "4", "--layers", "2", "--blocks", "16",
      "--prefill-servers", "2", "--decode-servers", "2"),
+    ("--mla", "--prefill-tp", "4", "--prefill-dcp", "4", "--decode-tp", "2", "--decode-dcp", "2", "--layers", "2",
+     "--blocks", "9", "--decode-servers", "2"),
 ])
 def test_demo_verifies(args):
     out = demo(*args)
@@ -33,6 +35,8 @@ def test_demo_verifies(args):
     (("--kv-heads", "6", "--prefill-tp", "3", "--decode-tp", "2"), "TP_NOT_DIVISIBLE"),
     (("--kv-heads", "6", "--prefill-tp", "4"), "INVALID_LAYOUT"),
     (("--prefill-tp", "2", "--prefill-servers", "3"), "INVALID_ARGUMENT"),
+    (("--prefill-tp", "2", "--prefill-dcp", "2"), "INVALID_LAYOUT"),  # DCP needs MLA
+    (("--mla", "--prefill-tp", "4", "--prefill-dcp", "2"), "INVALID_LAYOUT"),  # DCP is 1 or the TP size
 ])
 def test_demo_refuses_clearly(args, reason):
     out = demo(*args)

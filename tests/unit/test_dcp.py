@@ -1,4 +1,4 @@
-"""DCP-sharded MLA (MAPPING.md §8): sources, release counts and bytes against the reference."""
+"""DCP-sharded MLA (MAPPING.md §9): sources, release counts and bytes against the reference."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout import simple_layout
-from kvsvc.mapping import Side, expected_notifiers, plan_rank, prepare_blocks
+from kvsvc.mapping import ReleaseTracker, Side, expected_notifiers, plan_rank, prepare_blocks
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.verify import RankMemory, check_rank, fill_rank
 from tests.simulate import apply_plan
@@ -62,6 +62,15 @@ def test_release_counts_follow_the_targets(d, p):
         owed = expected_notifiers(r, lt, rt, lc, rd)
         assert owed == {t for t in range(lt) if r in handshake_target_ranks(t, lt, rt, lc, rd)}
         assert len(owed) == consumers(lt, lc, rt, rd) or (rd == 1 and rt > lt)
+
+
+def test_release_tracker_frees_each_p_rank_when_its_readers_are_done():
+    tracker = ReleaseTracker([0, 1, 2, 3], 2, 4, 2, 4)  # D TP2/DCP2 <- P TP4/DCP4
+    assert tracker.notify([0]) == [0, 2] and not tracker.done
+    assert tracker.notify([1]) == [1, 3] and tracker.done
+    tracker = ReleaseTracker([1], 4, 2, 4, 2)  # D TP4/DCP4 <- P TP2/DCP2: P1 waits for D1 and D3
+    assert tracker.notify([0, 1, 2]) == [] and tracker.pending_d_ranks == [3]
+    assert tracker.notify([3]) == [1]
 
 
 # ---- bytes -----------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def _assert_disjoint_local_ranges(plan):
 
 
 def test_byte_example_d_gt_p():
-    # MAPPING.md §8: L=2, R=1, K=8, head 128, block 16, bf16: P K block is 32768 bytes.
+    # MAPPING.md §9: L=2, R=1, K=8, head 128, block 16, bf16: P K block is 32768 bytes.
     remote = Side.of(simple_layout(tp_size=1, kv_heads=8, head_size=128, num_layers=1), 1)
     local = Side.of(simple_layout(tp_size=2, kv_heads=8, head_size=128, num_layers=1), 2)
     assert remote.pool.regions[0].block_len == 32768

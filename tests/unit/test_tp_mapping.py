@@ -1,4 +1,4 @@
-"""compute_tp_mapping and TransferTopology against MAPPING.md §8 and §2."""
+"""compute_tp_mapping and TransferTopology against MAPPING.md §9 and §2."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvsvc.mapping import TransferTopology, compute_tp_mapping
 
 FA, SSM, MLA = FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
-# L, t, R, K, mla, groups, source_ranks_per_group, all, slots, offset  (MAPPING.md §8)
+# L, t, R, K, mla, groups, source_ranks_per_group, all, slots, offset  (MAPPING.md §9)
 ROWS = [
     (2, 1, 2, 8, False, (FA,), ((1,),), (1,), {1: 0}, 0),
     (4, 2, 2, 8, False, (FA,), ((1,),), (1,), {1: 0}, 0),
