@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvsvc.mapping.topology import handshake_target_ranks, tp_ratio
+from kvsvc.mapping.topology import tp_ratio
 
 
 def expected_notifiers(remote_rank: int, local_tp_size: int, remote_tp_size: int, local_dcp_size: int = 1,
@@ -16,9 +16,11 @@ def expected_notifiers(remote_rank: int, local_tp_size: int, remote_tp_size: int
     A P engine with DCP (§9) is owed by the D ranks that read some of its blocks there.
     """
     ratio = tp_ratio(local_tp_size, remote_tp_size)
-    if remote_dcp_size > 1:
-        return frozenset(t for t in range(local_tp_size) if remote_rank in handshake_target_ranks(
-            t, local_tp_size, remote_tp_size, local_dcp_size, remote_dcp_size))
+    if remote_dcp_size > 1:  # the inverse of dcp_source_ranks, O(L) per P rank
+        lc, rd = local_dcp_size, remote_dcp_size
+        if lc <= rd:
+            return frozenset(t for t in range(local_tp_size) if t % lc == remote_rank % lc)
+        return frozenset(t for t in range(local_tp_size) if t % lc % rd == remote_rank)
     if ratio > 0:
         return frozenset(range(remote_rank * ratio, (remote_rank + 1) * ratio))
     return frozenset([remote_rank // -ratio])
