@@ -31,10 +31,12 @@ _DTYPES = {
 _DTYPES_BACK = {v: k for k, v in _DTYPES.items()}
 _MEM = {KvMemoryLayout.HND: pb.KV_MEMORY_LAYOUT_HND, KvMemoryLayout.NHD: pb.KV_MEMORY_LAYOUT_NHD}
 _MEM_BACK = {v: k for k, v in _MEM.items()}
-_REG = {RegionLayout.SPLIT_KV: pb.REGION_LAYOUT_SPLIT_KV, RegionLayout.BLOCKS_FIRST: pb.REGION_LAYOUT_BLOCKS_FIRST}
+_REG = {RegionLayout.SPLIT_KV: pb.REGION_LAYOUT_SPLIT_KV, RegionLayout.BLOCKS_FIRST: pb.REGION_LAYOUT_BLOCKS_FIRST,
+        RegionLayout.PACKED_KV: pb.REGION_LAYOUT_PACKED_KV}
 _REG_BACK = {v: k for k, v in _REG.items()}
 _KIND = {RegionKind.KEY: pb.REGION_KIND_KEY, RegionKind.VALUE: pb.REGION_KIND_VALUE,
-         RegionKind.LATENT: pb.REGION_KIND_LATENT, RegionKind.SSM_STATE: pb.REGION_KIND_SSM_STATE}
+         RegionKind.LATENT: pb.REGION_KIND_LATENT, RegionKind.SSM_STATE: pb.REGION_KIND_SSM_STATE,
+         RegionKind.KV: pb.REGION_KIND_KV}
 
 
 def bad_field(field: str, description: str, reason: str = "INVALID_FIELD", **meta: object) -> InvalidArgument:

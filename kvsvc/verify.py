@@ -42,12 +42,17 @@ def ssm_byte(region: int, q: np.ndarray) -> np.ndarray:
 
 @dataclass
 class RankMemory:
-    """One rank's pool as a byte array, with the regions that structure it."""
+    """One rank's KV memory with the regions that structure it: one pool as a byte array, or
+    (an engine's own per-layer tensors) one uint8 [num_blocks, >= block_len] array per region."""
 
     regions: tuple[Region, ...]
-    buf: np.ndarray  # uint8
+    buf: np.ndarray | None  # uint8 pool; None when per_region is given
+    per_region: list[np.ndarray] | None = None
 
     def block_view(self, r: Region, block: int) -> np.ndarray:
+        if self.per_region is not None:
+            return self.per_region[r.index][block, :r.block_len]
+        assert self.buf is not None
         start = r.pool_offset + block * r.block_stride
         return self.buf[start:start + r.block_len]
 

@@ -56,7 +56,7 @@ def typed_view(buffer: Any, region: pb.RegionInfo, layout: pb.KvLayout, regions:
     """One region of a flat uint8 pool (numpy array or torch tensor), typed and shaped from the layout.
 
     Attention: [num_blocks, heads, tokens, head_size] (HND) or [num_blocks, tokens, heads,
-    head_size] (NHD); MLA: [num_blocks, tokens, head_size]; Mamba state: [num_blocks,
+    head_size] (NHD), the last dimension K+V for packed_kv; MLA: [num_blocks, tokens, head_size]; Mamba state: [num_blocks,
     *state_shape]. numpy has no bfloat16, so bf16 comes as uint16 bits there (torch gives
     bfloat16). The view has exact strides (the block stride outside, C order inside): it
     aliases the pool, never a copy.
@@ -110,6 +110,8 @@ def _region_shape(region: pb.RegionInfo, layout: pb.KvLayout, all_regions: Any) 
     head = attn.head_size
     if region.kind == pb.REGION_KIND_VALUE and kind == "full_attention" and spec.full_attention.head_size_v:
         head = spec.full_attention.head_size_v
+    if region.kind == pb.REGION_KIND_KV:  # K then V of each token inside each head
+        head += (spec.full_attention.head_size_v or head) if kind == "full_attention" else head
     heads = attn.num_kv_heads_per_rank
     hnd = layout.kv_memory_layout == pb.KV_MEMORY_LAYOUT_HND
     return ((heads, tokens, head) if hnd else (tokens, heads, head)), attn.dtype

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from kvsvc.errors import KvsvcError
-from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, per_rank_heads
+from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, RegionLayout, per_rank_heads
 from kvsvc.layout.regions import Region, RegionKind, build_pool_layout
 from kvsvc.layout.specs import (
     AttentionSpec,
@@ -89,6 +89,12 @@ def check_compatibility(
                       f"NHD layout with TP {local_tp} (local) vs {remote_tp} (remote) splits heads that are not "
                       "contiguous; use HND on both sides or equal TP",
                       kv_memory_layout="NHD", local_tp_size=local_tp, remote_tp_size=remote_tp))
+    packed = {lay.region_layout is RegionLayout.PACKED_KV for lay in (local, remote)}
+    if len(packed) > 1 and (_has_family(local, SpecFamily.ATTENTION)):
+        out.append(_v("REGION_LAYOUT_MISMATCH",
+                      f"K and V are packed per token on one side ({local.region_layout.value} locally, "
+                      f"{remote.region_layout.value} remotely): a packed row cannot be split into separate K and V",
+                      local_region_layout=local.region_layout.value, remote_region_layout=remote.region_layout.value))
     if tp is None and not out:
         out.extend(_check_regions(local, local_tp, remote, remote_tp))
     return out

@@ -31,6 +31,7 @@ class RegionLayout(enum.Enum):
 
     SPLIT_KV = "split_kv"  # two regions per layer: K blocks, then V blocks
     BLOCKS_FIRST = "blocks_first"  # one [num_blocks, 2, ...] allocation per layer
+    PACKED_KV = "packed_kv"  # one region per layer; K and V of a token packed inside each head
 
 
 def per_rank_heads(total_num_kv_heads: int, tp_size: int) -> int:

@@ -15,6 +15,7 @@ REGION_ALIGN_BYTES = 4096
 class RegionKind(enum.Enum):
     KEY = "key"
     VALUE = "value"
+    KV = "kv"  # K and V of a token packed inside each head (packed_kv)
     LATENT = "latent"
     SSM_STATE = "ssm_state"
 
@@ -88,7 +89,13 @@ def build_pool_layout(layout: EngineLayout) -> PoolLayout:
                 geo_k = dict(heads=spec.num_kv_heads, tokens=spec.block_size, head_bytes=spec.head_size * e,
                              head_major=hnd)
                 geo_v = dict(geo_k, head_bytes=hv * e)
-                if layout.region_layout is RegionLayout.BLOCKS_FIRST:
+                if layout.region_layout is RegionLayout.PACKED_KV:
+                    # A head's row is K then V of one token: heads stay outermost (HND), so a
+                    # head slice of a block is still one contiguous run.
+                    add(RegionKind.KV, gi, name, cursor, k_len + v_len, k_len + v_len,
+                        **dict(geo_k, head_bytes=(spec.head_size + hv) * e))
+                    cursor = _align(cursor + nb * (k_len + v_len))
+                elif layout.region_layout is RegionLayout.BLOCKS_FIRST:
                     stride = k_len + v_len
                     add(RegionKind.KEY, gi, name, cursor, k_len, stride, **geo_k)
                     add(RegionKind.VALUE, gi, name, cursor + k_len, v_len, stride, **geo_v)

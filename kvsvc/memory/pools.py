@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.layout.regions import Region
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,14 @@ class Pool:
         self.rank = rank
         self.size_bytes = size_bytes
         self.base_address = base_address
+
+    def region_address(self, region: Region) -> int:
+        """Address of the region's block 0."""
+        return self.base_address + region.pool_offset
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(address, bytes) spans to register with NIXL: every region lies inside one."""
+        return [(self.base_address, self.size_bytes)]
 
     def close(self) -> None:
         """Release the memory; idempotent."""
@@ -110,6 +119,78 @@ class ExternalPool(Pool):
         self._buffer = None
 
 
+def _buffer_facts(buffer: Any) -> tuple[int, int, int, int, bool, int]:
+    """(address, dim-0 length, dim-0 stride bytes, bytes of one dim-0 item, is CUDA, device) of a tensor or array."""
+    if hasattr(buffer, "data_ptr"):  # torch tensor
+        e = buffer.element_size()
+        rows = int(buffer.shape[0]) if buffer.dim() else 1
+        stride = int(buffer.stride(0)) * e if buffer.dim() else e
+        item = int(buffer[0].numel()) * e if buffer.dim() and rows else e
+        inner_ok = buffer.dim() < 2 or buffer[0].is_contiguous()
+        cuda = bool(buffer.is_cuda)
+        return int(buffer.data_ptr()), rows, stride, item if inner_ok else -1, cuda, (buffer.device.index or 0) if cuda \
+            else 0
+    arr = np.asarray(buffer)
+    if arr.ndim == 0:
+        return int(arr.ctypes.data), 1, arr.itemsize, arr.itemsize, False, 0
+    inner_ok = arr.ndim < 2 or arr[0].flags.c_contiguous
+    return int(arr.ctypes.data), arr.shape[0], arr.strides[0], arr[0].nbytes if inner_ok else -1, False, 0
+
+
+class RegionBuffersPool(Pool):
+    """An engine's own memory given region by region: one tensor or array per region, indexed by block.
+
+    How engines such as vLLM hold KV: a tensor per layer, blocks on dimension 0 (a view
+    per region where a layer has several, e.g. K and V). Each buffer must hold the
+    region's blocks at the region's block stride, each block contiguous.
+    """
+
+    def __init__(self, rank: int, regions: tuple[Region, ...], buffers: Any) -> None:
+        buffers = list(buffers)
+        if len(buffers) != len(regions):
+            raise InvalidArgument("POOL_MISMATCH", f"rank {rank}: {len(buffers)} buffers for {len(regions)} regions "
+                                  "(one per region, in region order)",
+                                  {"rank": rank, "buffers": len(buffers), "regions": len(regions)})
+        self._buffers = buffers
+        self._addresses: list[int] = []
+        kinds = set()
+        for r, buf in zip(regions, buffers, strict=True):
+            addr, rows, stride, item, cuda, device = _buffer_facts(buf)
+            if rows < r.num_blocks or (rows > 1 and stride != r.block_stride) or item < r.block_len:
+                raise InvalidArgument(
+                    "POOL_MISMATCH",
+                    f"rank {rank} region {r.index} ({r.layer_name} {r.kind.value}): the buffer must hold "
+                    f"{r.num_blocks} contiguous blocks of {r.block_len} bytes every {r.block_stride} bytes; it has "
+                    f"{rows} of {item} bytes every {stride}",
+                    {"rank": rank, "region": r.index, "blocks": rows, "block_stride": stride, "block_bytes": item})
+            self._addresses.append(addr)
+            kinds.add((cuda, device))
+        if len(kinds) > 1:
+            raise InvalidArgument("POOL_MISMATCH", f"rank {rank}: the region buffers sit on different devices",
+                                  {"rank": rank})
+        (cuda, device), = kinds
+        spans = sorted((a, a + r.extent) for a, r in zip(self._addresses, regions, strict=True))
+        merged: list[list[int]] = []
+        for lo, hi in spans:  # views of one tensor (K and V of a layer) may touch or interleave
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._segments = [(lo, hi - lo) for lo, hi in merged]
+        super().__init__(rank, sum(n for _, n in self._segments), merged[0][0] if merged else 0)
+        if cuda:
+            self.memory_kind, self.device_id = "VRAM", device
+
+    def region_address(self, region: Region) -> int:
+        return self._addresses[region.index]
+
+    def segments(self) -> list[tuple[int, int]]:
+        return list(self._segments)
+
+    def close(self) -> None:
+        self._buffers = []
+
+
 def shm_name_for(engine_id: str, epoch: int, rank: int) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:40]
     return f"kvsvc-{safe}-{epoch & 0xFFFFFFFF:08x}-r{rank}"
@@ -128,4 +209,4 @@ def attach_shm(name: str, size_bytes: int) -> np.ndarray:
                                  {"shm_name": name}) from e
 
 
-__all__ = ["CudaPool", "ExternalPool", "Pool", "ShmPool", "attach_shm", "shm_name_for"]
+__all__ = ["CudaPool", "ExternalPool", "Pool", "RegionBuffersPool", "ShmPool", "attach_shm", "shm_name_for"]

@@ -83,7 +83,7 @@ def _addresses(node: Node, ranks: dict[int, RemoteRank],
                plan: RankPlan) -> list[tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]:
     """(remote rank, local addresses, remote addresses, lengths) per source rank."""
     pool = node.pools[plan.local_rank]
-    local_base = np.array([pool.base_address + r.pool_offset for r in node.side.pool.regions], dtype=np.int64)
+    local_base = np.array([pool.region_address(r) for r in node.side.pool.regions], dtype=np.int64)
     out = []
     for reads in plan.reads:
         if not reads.num_descriptors:

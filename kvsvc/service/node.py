@@ -15,7 +15,7 @@ from kvsvc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
-from kvsvc.memory.pools import CudaPool, ExternalPool, Pool, ShmPool, shm_name_for
+from kvsvc.memory.pools import CudaPool, ExternalPool, Pool, RegionBuffersPool, ShmPool, shm_name_for
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -83,7 +83,10 @@ class Node:
 
     def _make_pool(self, rank: int, size: int) -> Pool:
         if rank in self._external:
-            return ExternalPool(rank, self._external[rank], size)
+            given = self._external[rank]
+            if isinstance(given, (list, tuple)):  # one buffer per region (per-layer tensors)
+                return RegionBuffersPool(rank, self.side.pool.regions, given)
+            return ExternalPool(rank, given, size)
         if self.config.memory is MemoryMode.VRAM:
             return CudaPool(rank, size, self.config.device_of(rank), wrap=not self.config.cuda_devices)
         return ShmPool(rank, size, shm_name_for(self.config.engine_id, self.epoch, rank))
@@ -156,8 +159,8 @@ class Node:
     # ---- descriptions ---------------------------------------------------------------
 
     def region_table(self, rank: int) -> list[pb.RegionInfo]:
-        base = self.pools[rank].base_address if rank in self.pools else 0
-        return [region_to_proto(r, base + r.pool_offset if base else 0) for r in self.side.pool.regions]
+        pool = self.pools.get(rank)
+        return [region_to_proto(r, pool.region_address(r) if pool is not None else 0) for r in self.side.pool.regions]
 
     def memory_kind(self, rank: int) -> pb.MemoryKind:
         return pb.MEMORY_KIND_VRAM if self.pools[rank].memory_kind == "VRAM" else pb.MEMORY_KIND_DRAM

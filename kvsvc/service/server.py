@@ -80,8 +80,10 @@ async def create_server(
     """Build, bind and start a server; port 0 in config.listen picks a free port.
 
     Returns the running server (grpc.aio server, node, health; stop() shuts it down)
-    and the bound port. external_pools (rank -> contiguous numpy array or torch tensor)
-    embeds the server in an engine that owns its KV memory.
+    and the bound port. external_pools embeds the server in an engine that owns its KV
+    memory: rank -> one contiguous numpy array or torch tensor laid out like kvsvc's own
+    pool, or rank -> a list of one buffer per region (the engine's per-layer tensors, or
+    views of them), each holding the region's blocks on dimension 0.
     """
     node = Node(config, external_pools)
     decoder = Decoder(node)

@@ -119,7 +119,7 @@ class NixlDataPlane:
         cfg = api.nixl_agent_config(enable_prog_thread=False, backends=list(self.backends))
         name = self.agent_name(rank)
         agent = api.nixl_agent(name, cfg)
-        reg = agent.register_memory([(pool.base_address, pool.size_bytes, pool.device_id, "")], pool.memory_kind)
+        reg = agent.register_memory([(a, n, pool.device_id, "") for a, n in pool.segments()], pool.memory_kind)
         return RankAgent(rank, name, agent, pool, reg, bytes(agent.get_agent_metadata()))
 
     def _on_notifs(self, agent: Any, notifs: dict[str, list[bytes]]) -> None:

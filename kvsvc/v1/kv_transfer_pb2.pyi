@@ -35,6 +35,7 @@ class RegionLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGION_LAYOUT_UNSPECIFIED: _ClassVar[RegionLayout]
     REGION_LAYOUT_SPLIT_KV: _ClassVar[RegionLayout]
     REGION_LAYOUT_BLOCKS_FIRST: _ClassVar[RegionLayout]
+    REGION_LAYOUT_PACKED_KV: _ClassVar[RegionLayout]
 
 class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGION_KIND_VALUE: _ClassVar[RegionKind]
     REGION_KIND_LATENT: _ClassVar[RegionKind]
     REGION_KIND_SSM_STATE: _ClassVar[RegionKind]
+    REGION_KIND_KV: _ClassVar[RegionKind]
 
 class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -98,11 +100,13 @@ KV_MEMORY_LAYOUT_NHD: KvMemoryLayout
 REGION_LAYOUT_UNSPECIFIED: RegionLayout
 REGION_LAYOUT_SPLIT_KV: RegionLayout
 REGION_LAYOUT_BLOCKS_FIRST: RegionLayout
+REGION_LAYOUT_PACKED_KV: RegionLayout
 REGION_KIND_UNSPECIFIED: RegionKind
 REGION_KIND_KEY: RegionKind
 REGION_KIND_VALUE: RegionKind
 REGION_KIND_LATENT: RegionKind
 REGION_KIND_SSM_STATE: RegionKind
+REGION_KIND_KV: RegionKind
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind

@@ -176,3 +176,31 @@ def test_incompatible_pair_is_refused():
     with pytest.raises(FailedPrecondition) as e:
         plan_rank(local, remote, 0, [[0]], [[0]])
     assert e.value.reason == "LAYOUT_MISMATCH"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lt=st.sampled_from([1, 2, 4, 8]), rt=st.sampled_from([1, 2, 4, 8]), k=st.sampled_from([1, 2, 4, 8]),
+       n=st.sampled_from([1, 2]), nhd=st.booleans(), data=st.data())
+def test_packed_kv_moves_whole_token_rows(lt, rt, k, n, nhd, data):
+    """vLLM's CPU layout: one region per layer, K and V of a token packed inside each head."""
+    if nhd and lt != rt:
+        return  # NHD splits heads only at equal TP (refused otherwise, as for split K/V)
+    layout = "NHD" if nhd else "HND"
+    remote = make_side(rt, k=k, mla=False, ssm=False, block=2, nb=16, layers=2, region_layout="packed_kv",
+                       kv_memory_layout=layout)
+    local = make_side(lt, k=k, mla=False, ssm=False, block=2 * n, nb=8, layers=2, region_layout="packed_kv",
+                      kv_memory_layout=layout)
+    assert len(local.pool.regions) == 2 and {r.kind.value for r in local.pool.regions} == {"kv"}
+    lids = data.draw(st.permutations(range(8)))[:3]
+    rids = data.draw(st.permutations(range(16)))[:3 * n]
+    _, errors = run_transfer(local, remote, [lids], [rids])
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("other", ["split_kv", "blocks_first"])
+def test_packed_kv_does_not_mix_with_separate_k_and_v(other):
+    local = make_side(2, k=4, mla=False, ssm=False, block=2, nb=8, region_layout="packed_kv")
+    remote = make_side(2, k=4, mla=False, ssm=False, block=2, nb=8, region_layout=other)
+    with pytest.raises(FailedPrecondition) as e:
+        plan_rank(local, remote, 0, [[1]], [[1]])
+    assert "REGION_LAYOUT_MISMATCH" in e.value.metadata["violations"]
