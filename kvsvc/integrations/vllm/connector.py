@@ -1,0 +1,159 @@
+"""KvsvcConnector: vLLM's KV connector interface (KVConnectorBase_V1) over kvsvc.
+
+Load it with kv_transfer_config = {"kv_connector": "KvsvcConnector",
+"kv_connector_module_path": "kvsvc.integrations.vllm", "kv_role": "kv_producer" |
+"kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}. One instance runs in
+the scheduler (KvsvcScheduler), one in each worker (KvsvcWorker); they talk only
+through the step metadata and the workers' transfer results.
+
+kv_connector_extra_config (all optional): listen_host (default 127.0.0.1), advertise_host,
+and the embedded servers' settings lease_ttl_s, max_lease_ttl_s, allowed_peers,
+allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvsvc.client import ClientOptions
+from kvsvc.config import Role
+from kvsvc.integrations.vllm.layout import describe
+from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
+from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
+from kvsvc.integrations.vllm.worker import KvsvcWorker
+
+_ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
+# Passed to each worker's embedded server as its [server] settings (README, Config).
+_SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "allowed_peers", "allowed_engines", "tls_cert_file",
+                "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file")
+
+
+def _model_id(vllm_config: Any) -> str:
+    """What P and D must agree on: the model (a long path is hashed to fit kvsvc's id limit)."""
+    name = str(vllm_config.model_config.model)
+    return name if len(name) <= 200 else "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def _client_options(extra: dict[str, Any], engine_id: str) -> ClientOptions | None:
+    """How the connector dials its engine's own servers: over TLS, as the engine, when they serve TLS."""
+    if not extra.get("peer_tls_ca_file"):
+        return None
+
+    def read(key: str) -> bytes | None:
+        return open(extra[key], "rb").read() if extra.get(key) else None
+
+    return ClientOptions(tls_root_certs=read("peer_tls_ca_file"), tls_client_cert=read("tls_cert_file"),
+                         tls_client_key=read("tls_key_file"), tls_server_name=engine_id)
+
+
+class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self._config = vllm_config
+        self._kv_role = _ROLES[ktc.kv_role]
+        self._engine_id = str(ktc.engine_id)
+        par = vllm_config.parallel_config
+        self._tp_size = par.tensor_parallel_size
+        self._dcp_size = getattr(par, "decode_context_parallel_size", 1) or 1
+        self._extra = extra
+        self._scheduler: KvsvcScheduler | None = None
+        self._worker: KvsvcWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            ttl = extra.get("lease_ttl_s")
+            self._scheduler = KvsvcScheduler(
+                engine_id=self._engine_id, tp_size=self._tp_size, dcp_size=self._dcp_size,
+                is_producer=self._kv_role in (Role.PREFILL, Role.BOTH), options=_client_options(extra, self._engine_id),
+                lease_ttl_ms=int(float(ttl) * 1000) if ttl else 0)
+
+    # ---- worker side -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        description = describe(kv_caches, self._kv_cache_config, model_id=_model_id(self._config),
+                               total_num_kv_heads=self._config.model_config.get_total_num_kv_heads(),
+                               dcp_size=self._dcp_size)
+        overrides = {k: self._extra[k] for k in _SERVER_KEYS if k in self._extra}
+        self._worker = KvsvcWorker(engine_id=self._engine_id, role=self._kv_role, tp_rank=rank,
+                                   tp_size=self._tp_size, listen_host=self._extra.get("listen_host", "127.0.0.1"),
+                                   advertise_host=self._extra.get("advertise_host"), server_overrides=overrides,
+                                   client_options=_client_options(self._extra, self._engine_id))
+        self._worker.start(description)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker.info if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KvsvcConnectorMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads run whole requests asynchronously, before vLLM schedules them
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # D pulls from P's blocks: nothing to push
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ---- scheduler side --------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        assert self._scheduler is not None
+        self._scheduler.set_servers(metadata)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, [list(block_ids)])
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, [list(g) for g in block_ids])

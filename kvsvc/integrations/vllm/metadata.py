@@ -1,0 +1,35 @@
+"""What the scheduler tells the workers each step, and what each worker tells the scheduler once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+
+@dataclass
+class ServerInfo(KVConnectorHandshakeMetadata):
+    """A worker's embedded kvsvc server: where it listens, its epoch and the TP rank it hosts."""
+
+    address: str
+    epoch: int
+    tp_rank: int
+
+
+@dataclass
+class Receive:
+    """One request D pulls: its local blocks (per group), P's params, and whether vLLM waits for it."""
+
+    local_block_ids: list[list[int]]
+    params: dict[str, Any]
+    awaiting: bool
+
+
+@dataclass
+class KvsvcConnectorMetadata(KVConnectorMetadata):
+    receive: dict[str, Receive] = field(default_factory=dict)
+    # Requests D gave up on before reading: their P leases are aborted (with the lease token).
+    abandon: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Requests aborted while their transfer runs: the transfer is cancelled (it then frees P).
+    cancel: set[str] = field(default_factory=set)

@@ -1,0 +1,157 @@
+"""The worker side of the connector: an embedded kvsvc server per worker, and D's transfers.
+
+Each vLLM worker (one TP rank) runs a kvsvc server on its own thread and event loop,
+handed the worker's KV tensors in place; a TP-N engine is an engine over N servers.
+D: each request in the step's metadata becomes a Transfer on this worker's server (its
+rank's reads), run on the server's loop while the model keeps stepping. P: the server's
+release stream says when D is done with a request's blocks (consumed, expired or
+aborted); vLLM frees them once every worker reported it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from typing import Any
+
+from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client.client import ReleaseStream
+from kvsvc.client.leases import abort_published
+from kvsvc.config import Role, load_config
+from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm.layout import CacheDescription
+from kvsvc.integrations.vllm.loop import LoopThread
+from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.service.server import RunningServer, create_server
+
+log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
+
+TRANSFER_TIMEOUT_S = 120.0
+
+
+class KvsvcWorker:
+    def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
+                 advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
+                 client_options: ClientOptions | None = None) -> None:
+        self.engine_id, self.role, self.tp_rank, self.tp_size = engine_id, role, tp_rank, tp_size
+        self._listen_host, self._advertise_host = listen_host, advertise_host or listen_host
+        self._overrides = dict(server_overrides or {})
+        self._options = client_options
+        self._loop = LoopThread(f"kvsvc-worker-{tp_rank}")
+        self._server: RunningServer | None = None
+        self._client: AsyncClient | None = None
+        self.info: ServerInfo | None = None
+        self._lock = threading.Lock()
+        self._running: dict[str, concurrent.futures.Future[Any]] = {}
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._released: set[str] = set()  # P: leases kvsvc released
+        self._finished: set[str] = set()  # P: requests vLLM said are finished
+        self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def start(self, description: CacheDescription) -> ServerInfo:
+        config = load_config(listen=f"{self._listen_host}:0", engine_id=self.engine_id, role=self.role,
+                             tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
+                             **self._overrides)
+
+        async def boot() -> tuple[RunningServer, AsyncClient, int]:
+            server, port = await create_server(config, external_pools={self.tp_rank: description.buffers})
+            client = AsyncClient(f"127.0.0.1:{port}", self._options)
+            return server, client, port
+
+        self._server, self._client, port = self._loop.run(boot(), 60)
+        info = self._loop.run(self._client.get_info(), 10)
+        self.info = ServerInfo(f"{self._advertise_host}:{port}", info.epoch, self.tp_rank)
+        if self.role in (Role.PREFILL, Role.BOTH):  # subscribed before any lease can exist
+            stream = self._loop.run(self._client.open_release_stream(), 10)
+            self._loop.submit(self._watch_releases(stream))
+        log.info("kvsvc: rank %d serves its KV at %s", self.tp_rank, self.info.address)
+        return self.info
+
+    async def _watch_releases(self, stream: ReleaseStream) -> None:
+        try:
+            async for ev in stream:
+                with self._lock:
+                    self._released.add(ev.request_id)
+        finally:
+            stream.cancel()
+
+    def shutdown(self) -> None:
+        for fut in list(self._running.values()):
+            fut.cancel()
+        if self._server is not None:
+            server, client = self._server, self._client
+            self._server = self._client = None
+
+            async def down() -> None:
+                if client is not None:
+                    await client.close()
+                await server.stop(5)
+
+            try:
+                self._loop.run(down(), 30)
+            except Exception:
+                log.warning("kvsvc: server of rank %d did not stop cleanly", self.tp_rank, exc_info=True)
+        self._loop.stop()
+
+    # ---- each step -------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
+        for req_id, recv in meta.receive.items():
+            fut = self._loop.submit(self._transfer(req_id, recv))
+            self._running[req_id] = fut
+            fut.add_done_callback(functools.partial(self._settle, req_id, recv))
+        for req_id in meta.cancel:
+            running = self._running.get(req_id)
+            if running is not None:
+                self._loop.loop.call_soon_threadsafe(running.cancel)
+        if self.tp_rank == 0:  # one abort per abandoned request is enough (it names every P server)
+            for req_id, params in meta.abandon.items():
+                self._loop.submit(self._abandon(req_id, params))
+
+    async def _transfer(self, req_id: str, recv: Receive) -> Any:
+        assert self._client is not None
+        params = kvparams.from_vllm(recv.params)
+        return await self._client.transfer(req_id, params, recv.local_block_ids, timeout_s=TRANSFER_TIMEOUT_S)
+
+    def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
+        failed = fut.cancelled() or fut.exception() is not None
+        with self._lock:
+            self._running.pop(req_id, None)
+            self.stats["transfers"] += 1
+            if failed:
+                self.stats["failed"] += 1
+                if not fut.cancelled():
+                    log.warning("kvsvc: transfer of %s failed: %s", req_id, fut.exception())
+            else:
+                resp = fut.result()
+                self.stats["bytes"] += resp.total_bytes
+                self.stats["seconds"] += resp.duration_us / 1e6
+                log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
+            if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
+                self._recv_done.add(req_id)
+                if failed:
+                    self._recv_failed.add(req_id)
+
+    async def _abandon(self, req_id: str, params: dict[str, Any]) -> None:
+        try:
+            answers = await abort_published(kvparams.from_vllm(params), engine_id=self.engine_id,
+                                            options=self._options)
+            log.info("kvsvc: %s abandoned before its transfer: %s", req_id, answers)
+        except Exception as e:
+            log.warning("kvsvc: could not abort the lease of %s: %s", req_id, e)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        with self._lock:
+            self._finished |= finished_req_ids
+            sending = self._released & self._finished
+            self._released -= sending
+            self._finished -= sending
+            recving, failed = self._recv_done, self._recv_failed
+            self._recv_done, self._recv_failed = set(), set()
+        return sending, recving, failed
