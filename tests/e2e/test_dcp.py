@@ -17,7 +17,7 @@ import pytest
 from kvsvc.errors import ErrorCode, KvsvcError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.cells import mla
-from tests.e2e.harness import ReleaseWatch
+from tests.e2e.harness import ReleaseWatch, assert_consumed_everywhere
 from tests.e2e.test_multi_server import engine
 
 BLOCK = 4
@@ -84,11 +84,7 @@ async def test_dcp_cell(cell: DcpCell):
             moved = sum(r.total_bytes for r in resps)
             latent = sum(reg.block_len for reg in D.engines[0].mem[D.engines[0].info.hosted_ranks[0]].regions)
             assert moved == latent * _blocks_read(cell)
-            for w in watches:
-                events = await w.wait_for(cell.id)
-                assert [ev.reason for ev in events] == [pb.RELEASE_REASON_CONSUMED], events
-            for c in P.clients:
-                assert (await c.get_info()).live_leases == 0
+            await assert_consumed_everywhere(watches, P.clients, cell.id)
         finally:
             for w in watches:
                 await w.close()

@@ -21,7 +21,7 @@ from kvsvc.client import AsyncClient
 from kvsvc.errors import ErrorCode, KvsvcError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.cells import SSM, gqa, mla
-from tests.e2e.harness import Engine, ReleaseWatch, layout_table
+from tests.e2e.harness import Engine, ReleaseWatch, assert_consumed_everywhere, layout_table
 
 BIG = layout_table(k=8, head=128, block=16, layers=8, nb=160)
 
@@ -98,11 +98,7 @@ async def test_engine_over_servers(cell: MultiCell):
             await asyncio.gather(*(c.transfer("d-" + cell.id, pub.params, d_ids, timeout_s=60) for c in D.clients))
             for e in D.engines:
                 assert not e.check(d_ids), e.check(d_ids)
-            for w in watches:
-                events = await w.wait_for(cell.id)
-                assert [ev.reason for ev in events] == [pb.RELEASE_REASON_CONSUMED], events
-            for c in P.clients:
-                assert (await c.get_info()).live_leases == 0
+            await assert_consumed_everywhere(watches, P.clients, cell.id)
         finally:
             for w in watches:
                 await w.close()

@@ -156,6 +156,8 @@ class KvsvcScheduler:
             return params
 
         params = self._loop.run(publish_all(), PUBLISH_TIMEOUT_S * 2)
+        log.debug("kvsvc: leased %s (%d tokens) on %d servers", request.request_id, num_tokens,
+                  len(params.remote_servers))
         return kvparams.to_vllm(params, num_tokens=num_tokens, tp_size=self.tp_size, dcp_size=self.dcp_size)
 
     async def _withdraw(self, params: pb.TransferParams, clients: list[AsyncClient]) -> None:

@@ -31,6 +31,16 @@ log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and l
 TRANSFER_TIMEOUT_S = 120.0
 
 
+def _log_under_vllm() -> None:
+    """The embedded server's own log lines (kvsvc.*) go where vLLM's go, at vLLM's level."""
+    ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
 class KvsvcWorker:
     def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
@@ -54,6 +64,7 @@ class KvsvcWorker:
     # ---- set-up ----------------------------------------------------------------------
 
     def start(self, description: CacheDescription) -> ServerInfo:
+        _log_under_vllm()
         config = load_config(listen=f"{self._listen_host}:0", engine_id=self.engine_id, role=self.role,
                              tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
                              **self._overrides)
@@ -115,6 +126,7 @@ class KvsvcWorker:
 
     async def _transfer(self, req_id: str, recv: Receive) -> Any:
         assert self._client is not None
+        log.debug("kvsvc: loading %s into %s", req_id, [len(g) for g in recv.local_block_ids])
         params = kvparams.from_vllm(recv.params)
         return await self._client.transfer(req_id, params, recv.local_block_ids, timeout_s=TRANSFER_TIMEOUT_S)
 

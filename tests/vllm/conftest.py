@@ -1,0 +1,19 @@
+"""vLLM tests run in .venv-vllm (make vllm-venv); elsewhere there is nothing to collect."""
+
+import importlib.util
+
+import pytest
+
+collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory):
+    """Engines started on demand and stopped at the end of the session (with the model they serve)."""
+    from tests.vllm.engines import Engines, write_model
+
+    base = tmp_path_factory.mktemp("vllm")
+    write_model(base / "model")
+    pool = Engines(base / "model", base)
+    yield pool
+    pool.stop_all()

@@ -1,0 +1,149 @@
+"""Real vLLM engines for the tests: each in its own process group, driven by engine_proc.
+
+The model is a small random-weight Llama written at test time (no downloads). Engines
+bind their CPU threads to one core each where they can (two cores here: P and D each
+get one; a TP-2 engine binds both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+KVSVC = {"kv_connector": "KvsvcConnector", "kv_connector_module_path": "kvsvc.integrations.vllm"}
+
+
+def write_model(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engine:
+    """One vLLM engine (LLM) in a process of its own; generate() returns its outputs."""
+
+    def __init__(self, name: str, model: Path, logs: Path, *, tp: int = 1, connector: dict[str, Any] | None = None,
+                 bind: str = "0") -> None:
+        self.name = name
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else bind)
+        if connector and connector.get("kv_connector") == "NixlConnector":
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+        self.log = logs / f"{name}.log"
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.engine_proc", str(model), json.dumps({"tensor_parallel_size": tp}),
+             json.dumps(connector) if connector else ""],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True, cwd=ROOT, env=env,
+            start_new_session=True)
+        self._lock = threading.Lock()
+
+    def wait_ready(self) -> None:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            raise RuntimeError(f"engine {self.name} did not start:\n{self.tail()}")
+        assert json.loads(line) == {"ready": True}
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None
+                 ) -> list[dict[str, Any]]:
+        with self._lock:
+            assert self.proc.stdin and self.proc.stdout
+            self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                                              "params": params or [None] * len(prompts)}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine {self.name} died:\n{self.tail()}")
+        return json.loads(line)["outputs"]
+
+    def tail(self, n: int = 40) -> str:
+        lines = [x for x in self.log.read_text(errors="replace").splitlines() if "Location 'file" not in x]
+        return "\n".join(lines[-n:])
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine: driver, engine core and workers (its process group)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        self.stop()
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin
+                self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(90)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            self.kill()
+        try:  # nothing of the engine may outlive it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout, self._log_file):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        return self.proc.returncode
+
+
+class Engines:
+    """Engines started on demand (in parallel when asked together) and stopped at the end."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model, self.logs = model, logs
+        self._cache: dict[str, Engine] = {}
+
+    def get(self, *specs: tuple[str, int, dict[str, Any] | None, str]) -> list[Engine]:
+        """specs: (name, tp, connector config, core binding); started ones are reused."""
+        new = [Engine(name, self.model, self.logs, tp=tp, connector=conn, bind=bind)
+               for name, tp, conn, bind in specs if name not in self._cache]
+        for e in new:
+            self._cache[e.name] = e
+        for e in new:
+            e.wait_ready()
+        return [self._cache[name] for name, *_ in specs]
+
+    def drop(self, name: str) -> None:
+        e = self._cache.pop(name, None)
+        if e is not None:
+            e.stop()
+
+    def stop_all(self) -> None:
+        for name in list(self._cache):
+            self.drop(name)
+
+
+def kvsvc(role: str, **extra: Any) -> dict[str, Any]:
+    conf = dict(KVSVC, kv_role=role)
+    if role == "kv_consumer":
+        conf["kv_load_failure_policy"] = "recompute"
+    if extra:
+        conf["kv_connector_extra_config"] = extra
+    return conf
+
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}

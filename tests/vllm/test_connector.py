@@ -1,0 +1,103 @@
+"""vLLM itself, prefill/decode disaggregated through kvsvc (KvsvcConnector), token for token.
+
+Real vLLM 0.32 engines on a random-weight Llama (K = 2 KV heads, head 64, blocks of
+32 tokens). Oracles: the aggregated run for equal TP (greedy tokens AND logprobs equal
+exactly), vLLM's own NixlConnector for different TP sizes (it moves the same bytes into
+the same places). Independently of the outputs, every P server must report each request
+CONSUMED exactly once on its release stream, with no lease left: a D that silently
+recomputed instead of loading would show ABORTED or nothing there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvsvc.client import Client
+from kvsvc.errors import KvsvcError
+from tests.vllm.engines import Engine, Engines, kvsvc
+from tests.vllm.releases import Releases, p_servers
+
+pytestmark = pytest.mark.timeout(900)
+
+rng = random.Random(11)
+# Lengths around block boundaries (32): shorter than a block, exactly 1 and 2 blocks, more.
+LENGTHS = [10, 31, 32, 33, 64, 69, 95, 100, 128, 150, 200, 45]
+PROMPTS = [[rng.randrange(1, 500) for _ in range(n)] for n in LENGTHS]
+HEAD = [rng.randrange(1, 500) for _ in range(96)]  # three whole blocks
+LONGER = HEAD + [rng.randrange(1, 500) for _ in range(40)]
+CONSUMED = "RELEASE_REASON_CONSUMED"
+# Every batch the aggregated run answers, by name (a batch's composition is part of the oracle).
+BATCHES = {"all": PROMPTS, "longer": [LONGER], "first-two": PROMPTS[:2], "next-two": PROMPTS[2:4]}
+
+
+def prefill(P: Engine, prompts: list[list[int]]) -> list[dict]:
+    outs = P.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in outs]
+    assert all(p and p.get("do_remote_prefill") and "kvsvc" in p for p in params), params
+    return params
+
+
+def disaggregated(P: Engine, D: Engine, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
+    """P prefills, D decodes with P's params; asserts P released every request CONSUMED, once per server."""
+    params = prefill(P, prompts)
+    releases = Releases([a for p in params for a in p_servers(p)])
+    try:
+        outs = D.generate(prompts, max_tokens, params)
+        ids = [p["remote_request_id"] for p in params]
+        got = releases.wait(ids)
+        for rid in ids:
+            assert got.get(rid) == [CONSUMED] * len(releases.addresses), (rid, got.get(rid), D.tail())
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    return outs
+
+
+def same(a: list[dict], b: list[dict]) -> None:
+    assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+    assert [o["logprobs"] for o in a] == [o["logprobs"] for o in b]
+
+
+@pytest.fixture(scope="module")
+def reference(engines: Engines) -> dict[str, list[dict]]:
+    """The aggregated run's answers, computed first and alone (two cores: few engines at a time)."""
+    (agg,) = engines.get(("agg-1", 1, None, "0"))
+    out = {name: agg.generate(batch, 8) for name, batch in BATCHES.items()}
+    engines.drop("agg-1")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1(engines: Engines, reference):
+    yield engines.get(("kvsvc-p1", 1, kvsvc("kv_producer"), "0"), ("kvsvc-d1", 1, kvsvc("kv_consumer"), "1"))
+    for name in ("kvsvc-p1", "kvsvc-d1"):
+        engines.drop(name)
+
+
+def test_tp1_pd_equals_the_aggregated_run(tp1, reference):
+    P, D = tp1
+    same(disaggregated(P, D, PROMPTS), reference["all"])  # twelve requests at once
+
+
+def test_prefix_hit_on_d_reads_only_the_tail(tp1, reference):
+    P, D = tp1
+    disaggregated(P, D, [HEAD])
+    (out,) = disaggregated(P, D, [LONGER])
+    assert out["num_cached_tokens"] >= 96  # the first three blocks came from D's own cache
+    same([out], reference["longer"])
+
+
+def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines, tp1, reference):
+    P, D = tp1
+    params = prefill(P, PROMPTS[:2])
+    addresses = [a for p in params for a in p_servers(p)]
+    P.kill()
+    engines.drop("kvsvc-p1")
+    with pytest.raises(KvsvcError):  # its kvsvc server died with it
+        with Client(addresses[0]) as c:
+            c.get_info(timeout_s=2)
+    # D's loads fail (kv_load_failure_policy "recompute"): it prefills itself, same tokens.
+    same(D.generate(PROMPTS[:2], 8, params), reference["first-two"])
+    same(D.generate(PROMPTS[2:4], 8), reference["next-two"])  # and keeps serving
