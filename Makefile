@@ -31,13 +31,12 @@ test: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q -m "not full"
 
 # Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB, several
-# minutes): run by make test-full, not yet by make test (see README, Use with vLLM).
+# minutes): not yet part of make test (see README, Use with vLLM).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
 test-full: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q
-	$(MAKE) --no-print-directory test-vllm
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)

@@ -137,12 +137,16 @@ class Engines:
             self.drop(name)
 
 
+# Generous lease and peer deadlines: on two cores shared by several engines, a first contact between
+# fresh engines has been seen to stall for ~30 s (README, Use with vLLM); the tests check the bytes
+# and the lease accounting, not the latency.
+PATIENT = {"lease_ttl_s": 150, "peer_timeout_s": 60}
+
+
 def kvsvc(role: str, **extra: Any) -> dict[str, Any]:
-    conf = dict(KVSVC, kv_role=role)
+    conf = dict(KVSVC, kv_role=role, kv_connector_extra_config={**PATIENT, **extra})
     if role == "kv_consumer":
         conf["kv_load_failure_policy"] = "recompute"
-    if extra:
-        conf["kv_connector_extra_config"] = extra
     return conf
 
 
