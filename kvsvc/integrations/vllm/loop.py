@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("vllm.kvsvc")
+STALL_WARN_S = 1.0
+
+
+def _unpin_this_thread() -> None:
+    """Let this thread (and the threads it starts: NIXL's) run on any core.
+
+    An engine pins its worker process to the cores its compute threads own (vLLM's CPU
+    workers: one core each); inherited, that pin puts kvsvc's I/O behind the model's
+    threads on a busy core, where it was seen to stall for tens of seconds.
+    """
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # 0: the calling thread on Linux
+    except (AttributeError, OSError):
+        pass
 
 
 class LoopThread:
@@ -29,6 +48,7 @@ class LoopThread:
         self._thread.start()
 
     def _run(self) -> None:
+        _unpin_this_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -39,6 +59,15 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run coro on the loop and wait for its result (from another thread only)."""
         return self.submit(coro).result(timeout_s)
+
+    async def watch_stalls(self, tick_s: float = 0.1) -> None:
+        """Warn when this loop did not run for a while: everything kvsvc does here waits with it."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(tick_s)
+            late = time.monotonic() - before - tick_s
+            if late > STALL_WARN_S:
+                log.warning("kvsvc: event loop %s stalled %.1f s", self._thread.name, late)
 
     def stop(self) -> None:
         if self.loop.is_closed():

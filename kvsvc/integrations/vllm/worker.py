@@ -75,6 +75,7 @@ class KvsvcWorker:
             return server, client, port
 
         self._server, self._client, port = self._loop.run(boot(), 60)
+        self._loop.submit(self._loop.watch_stalls())
         info = self._loop.run(self._client.get_info(), 10)
         self.info = ServerInfo(f"{self._advertise_host}:{port}", info.epoch, self.tp_rank)
         if self.role in (Role.PREFILL, Role.BOTH):  # subscribed before any lease can exist
