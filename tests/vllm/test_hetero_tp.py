@@ -15,9 +15,8 @@ from tests.vllm.test_connector import PROMPTS, disaggregated, same
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.mark.xfail(strict=False, reason="open: with a TP-2 engine on this 2-core machine a P server sometimes does "
-                   "not answer a new connection for tens of seconds (no SETTINGS frame); D then recomputes and "
-                   "P's lease ends ABORTED instead of CONSUMED (README, Use with vLLM)")
+@pytest.mark.xfail(strict=False, reason="open: on this 2-core machine the oracle, vLLM's NixlConnector with a TP-2 "
+                   "engine, sometimes hangs (its workers stop answering the engine core); README, Use with vLLM")
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_hetero_tp_equals_vllms_nixl_connector(engines: Engines, p_tp: int, d_tp: int):
     prompts = PROMPTS[:6]
