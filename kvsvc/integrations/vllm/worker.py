@@ -14,6 +14,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
@@ -29,6 +30,8 @@ from kvsvc.service.server import RunningServer, create_server
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
 
 TRANSFER_TIMEOUT_S = 120.0
+# Far more requests than can finish within any lease's lifetime.
+FINISHED_REMEMBERED = 1 << 18
 
 
 def _log_under_vllm() -> None:
@@ -58,7 +61,9 @@ class KvsvcWorker:
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._released: set[str] = set()  # P: leases kvsvc released
-        self._finished: set[str] = set()  # P: requests vLLM said are finished
+        # P: requests vLLM said are finished (a release may be reported only for those), oldest
+        # first; bounded, since most finished requests (D's, aborted ones) are never released here.
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
 
     # ---- set-up ----------------------------------------------------------------------
@@ -161,10 +166,15 @@ class KvsvcWorker:
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
         with self._lock:
-            self._finished |= finished_req_ids
-            sending = self._released & self._finished
+            if self.role is not Role.DECODE:
+                for rid in finished_req_ids:
+                    self._finished[rid] = None
+                while len(self._finished) > FINISHED_REMEMBERED:
+                    self._finished.popitem(last=False)
+            sending = {rid for rid in self._released if rid in self._finished}
             self._released -= sending
-            self._finished -= sending
+            for rid in sending:
+                del self._finished[rid]
             recving, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()
         return sending, recving, failed
