@@ -11,7 +11,7 @@ from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import check_compatibility
 from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.regions import PoolLayout, build_pool_layout
-from kvsvc.layout.specs import SpecFamily
+from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
 from kvsvc.mapping.dcp import DcpGroup, dcp_group
 from kvsvc.mapping.geometry import Reads, attention_units, check_block_ids, coalesce, ssm_units
 from kvsvc.mapping.topology import TransferTopology, handshake_target_ranks, tp_ratio
@@ -166,7 +166,8 @@ def prepare_blocks(
             dcp.append(grp)
             continue
         dcp.append(None)
-        if remote_num_tokens and not ssm:
+        if remote_num_tokens and not ssm and not issubclass(lay.groups[g].spec_type, SlidingWindowSpec):
+            # (A sliding-window group may list only its window's blocks: its list is taken as is.)
             rids = _request_part(rids, remote_num_tokens, rlay.block_size, g)
         rids, prefix = trim_prefix(lids, rids, 1 if ssm else n, group=g, ssm=ssm)
         if n == 1 or ssm:

@@ -12,7 +12,7 @@ from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout
 from kvsvc.config import Role
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import compatibility_hash
-from kvsvc.layout.specs import SpecFamily
+from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, monotonic_to_unix_ms
 from kvsvc.limits import (
     MAX_TP_SIZE,
@@ -139,7 +139,8 @@ def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> N
         return
     needed = -(-request_blocks(num_tokens, node.layout.block_size) // dcp)
     for g, (group, ids) in enumerate(zip(node.layout.groups, groups, strict=True)):
-        if group.family is not SpecFamily.SSM and len(ids) < needed:
+        if group.family is not SpecFamily.SSM and not issubclass(group.spec_type, SlidingWindowSpec) and \
+                len(ids) < needed:  # a sliding-window group may list only its window
             raise InvalidArgument(
                 "BLOCK_COUNT_MISMATCH", f"group {g}: {num_tokens} tokens need {needed} block ids per rank (block size "
                 f"{node.layout.block_size}, DCP {dcp}), got {len(ids)}",

@@ -178,3 +178,21 @@ def test_incompatible_dcp_pairs():
     with pytest.raises(FailedPrecondition) as e:
         validate_pair(mla_side(2, 2, block=4), mla_side(2, 2))
     assert e.value.reason == "BLOCK_SIZE_MISMATCH" and "DCP" in e.value.message
+
+
+def test_num_tokens_trims_an_unfilled_tail_without_dcp():
+    """A P list that ends in an allocated, unfilled block: the length says where the request ends,
+    so a shorter D list is a prefix hit of the right size (not one block too many)."""
+    side = Side.of(simple_layout(tp_size=1, kv_heads=2, num_layers=1, head_size=2, block_size=BLOCK, num_blocks=16,
+                                 dtype="float32"), 1)
+    r_ids, l_ids = [[4, 5, 6, 9]], [[1, 2]]  # 3 filled blocks + 1 unfilled; D holds the first already
+    remote = memory(side)
+    fill_rank(remote, 0, 1, 2, r_ids, BLOCK)
+    plan = plan_rank(side, side, 0, l_ids, r_ids, remote_num_tokens=3 * BLOCK - 1)
+    assert plan.prefix_blocks_skipped == (1,)
+    mem = memory(side)
+    apply_plan(plan, mem, {0: remote})
+    assert not check_rank(mem, 0, 1, 2, l_ids, BLOCK, [1])
+    with pytest.raises(InvalidArgument) as e:  # more tokens than the blocks hold
+        plan_rank(side, side, 0, l_ids, r_ids, remote_num_tokens=5 * BLOCK)
+    assert e.value.reason == "BLOCK_COUNT_MISMATCH"
