@@ -142,9 +142,11 @@ class KvsvcScheduler:
             answers = await asyncio.gather(*(c.publish_blocks_request(rest, timeout_s=PUBLISH_TIMEOUT_S)
                                              for c in clients[1:]), return_exceptions=True)
             failed = [a for a in answers if isinstance(a, BaseException)]
-            if failed:
-                await self._withdraw(params, [c for c, a in zip(clients[1:], answers, strict=True)
-                                              if not isinstance(a, BaseException)] + [clients[0]])
+            if failed:  # the answers that came back say each leasing server's epoch
+                leased = [(clients[0], params.remote_epoch)] + [
+                    (c, a.params.remote_epoch) for c, a in zip(clients[1:], answers, strict=True)
+                    if isinstance(a, pb.PublishBlocksResponse)]
+                await self._withdraw(params, leased)
                 raise failed[0]
             servers = [params.remote_servers[0]] if params.remote_servers else [
                 pb.EngineServer(address=params.remote_address, ranks=[0], epoch=params.remote_epoch)]
@@ -160,16 +162,12 @@ class KvsvcScheduler:
                   len(params.remote_servers))
         return kvparams.to_vllm(params, num_tokens=num_tokens, tp_size=self.tp_size, dcp_size=self.dcp_size)
 
-    async def _withdraw(self, params: pb.TransferParams, clients: list[AsyncClient]) -> None:
+    async def _withdraw(self, params: pb.TransferParams, leased: list[tuple[AsyncClient, int]]) -> None:
         """Take back the leases a half-done publish made (no release event: nothing was handed out)."""
-        infos = await asyncio.gather(*(c.get_info() for c in clients), return_exceptions=True)
-        for c, info in zip(clients, infos, strict=True):
-            if isinstance(info, BaseException):
-                continue
+        for c, epoch in leased:
             try:
                 await c.notify(pb.NotifyRequest(request_id=params.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
-                                                engine_id=self.engine_id, tp_size=self.tp_size,
-                                                lease_epoch=info.epoch, lease_token=params.lease_token,
-                                                withdraw=True))
+                                                engine_id=self.engine_id, tp_size=self.tp_size, lease_epoch=epoch,
+                                                lease_token=params.lease_token, withdraw=True))
             except Exception as e:
                 log.warning("kvsvc: could not withdraw %s: %s", params.remote_request_id, e)

@@ -64,7 +64,6 @@ class KvsvcWorker:
         # P: requests vLLM said are finished (a release may be reported only for those), oldest
         # first; bounded, since most finished requests (D's, aborted ones) are never released here.
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self.stats = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
 
     # ---- set-up ----------------------------------------------------------------------
 
@@ -140,15 +139,11 @@ class KvsvcWorker:
         failed = fut.cancelled() or fut.exception() is not None
         with self._lock:
             self._running.pop(req_id, None)
-            self.stats["transfers"] += 1
             if failed:
-                self.stats["failed"] += 1
                 if not fut.cancelled():
                     log.warning("kvsvc: transfer of %s failed: %s", req_id, fut.exception())
             else:
                 resp = fut.result()
-                self.stats["bytes"] += resp.total_bytes
-                self.stats["seconds"] += resp.duration_us / 1e6
                 log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
             if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
                 self._recv_done.add(req_id)
