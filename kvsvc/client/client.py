@@ -30,6 +30,10 @@ class ClientOptions:
     PublishBlocks (a lost answer would make the retry a second publish)."""
     backoff_s: float = 0.05
     """First retry delay, seconds; doubles each attempt, with jitter."""
+    connect_timeout_ms: int | None = None
+    """How long one connection attempt may take (TCP, TLS and the server's first HTTP/2
+    frame) before gRPC gives up on it; gRPC's own default is 20 s. A server that accepted the
+    connection but is slow to answer (a busy host) is waited for this long."""
     keepalive_time_ms: int = 30_000
     """Ping interval; the server permits pings every 10 s or slower."""
     max_message_bytes: int = 64 * 1024 * 1024
@@ -54,6 +58,8 @@ class ClientOptions:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]
+        if self.connect_timeout_ms is not None:  # gRPC's name for a connect attempt's minimum deadline
+            opts.append(("grpc.min_reconnect_backoff_ms", self.connect_timeout_ms))
         if self.tls_server_name and self.tls_root_certs is not None:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return opts

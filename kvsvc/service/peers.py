@@ -60,8 +60,11 @@ def peer_client_options(node: Node, engine_id: str = "") -> ClientOptions:
     proves that the server at the address really is the engine the params name.
     """
     cfg = node.config
-    # One retry: a peer that is down is reported PEER_UNAVAILABLE quickly, not dialled a dozen times.
-    opts = ClientOptions(timeout_s=cfg.peer_timeout_s, retries=1, max_message_bytes=cfg.max_message_bytes)
+    # One retry: a peer that is down is reported PEER_UNAVAILABLE quickly, not dialled a dozen times
+    # (a refused connection fails at once). A peer that accepted but answers slowly gets the whole
+    # peer deadline, not gRPC's 20 s connect limit.
+    opts = ClientOptions(timeout_s=cfg.peer_timeout_s, retries=1, max_message_bytes=cfg.max_message_bytes,
+                         connect_timeout_ms=int(cfg.peer_timeout_s * 1000))
     if not cfg.peer_tls_ca_file:
         return opts
     own = bool(cfg.tls_cert_file)

@@ -1,8 +1,7 @@
 """Real vLLM engines for the tests: each in its own process group, driven by engine_proc.
 
 The model is a small random-weight Llama written at test time (no downloads). Engines
-bind their CPU threads to one core each where they can (two cores here: P and D each
-get one; a TP-2 engine binds both).
+run unbound with one OpenMP thread per worker, so several share two cores.
 """
 
 from __future__ import annotations
@@ -40,10 +39,13 @@ def _free_port() -> int:
 class Engine:
     """One vLLM engine (LLM) in a process of its own; generate() returns its outputs."""
 
-    def __init__(self, name: str, model: Path, logs: Path, *, tp: int = 1, connector: dict[str, Any] | None = None,
-                 bind: str = "0") -> None:
+    def __init__(self, name: str, model: Path, logs: Path, *, tp: int = 1,
+                 connector: dict[str, Any] | None = None) -> None:
         self.name = name
-        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else bind)
+        # Unbound, one OpenMP thread per worker: with several engines on two cores, workers pinned
+        # to a core (vLLM's default) starve whatever else shares it, and a TP-2 NixlConnector
+        # engine was seen to hang so.
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         if connector and connector.get("kv_connector") == "NixlConnector":
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
         self.log = logs / f"{name}.log"
@@ -117,10 +119,10 @@ class Engines:
         self.model, self.logs = model, logs
         self._cache: dict[str, Engine] = {}
 
-    def get(self, *specs: tuple[str, int, dict[str, Any] | None, str]) -> list[Engine]:
-        """specs: (name, tp, connector config, core binding); started ones are reused."""
-        new = [Engine(name, self.model, self.logs, tp=tp, connector=conn, bind=bind)
-               for name, tp, conn, bind in specs if name not in self._cache]
+    def get(self, *specs: tuple[str, int, dict[str, Any] | None]) -> list[Engine]:
+        """specs: (name, tp, connector config); started ones are reused."""
+        new = [Engine(name, self.model, self.logs, tp=tp, connector=conn)
+               for name, tp, conn in specs if name not in self._cache]
         for e in new:
             self._cache[e.name] = e
         for e in new:

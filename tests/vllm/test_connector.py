@@ -10,26 +10,17 @@ recomputed instead of loading would show ABORTED or nothing there.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvsvc.client import Client
 from kvsvc.errors import KvsvcError
 from tests.vllm.engines import Engine, Engines, kvsvc
+from tests.vllm.prompts import HEAD, LONGER, PROMPTS
 from tests.vllm.releases import Releases, p_servers
 
 pytestmark = pytest.mark.timeout(900)
 
-rng = random.Random(11)
-# Lengths around block boundaries (32): shorter than a block, exactly 1 and 2 blocks, more.
-LENGTHS = [10, 31, 32, 33, 64, 69, 95, 100, 128, 150, 200, 45]
-PROMPTS = [[rng.randrange(1, 500) for _ in range(n)] for n in LENGTHS]
-HEAD = [rng.randrange(1, 500) for _ in range(96)]  # three whole blocks
-LONGER = HEAD + [rng.randrange(1, 500) for _ in range(40)]
 CONSUMED = "RELEASE_REASON_CONSUMED"
-# Every batch the aggregated run answers, by name (a batch's composition is part of the oracle).
-BATCHES = {"all": PROMPTS, "longer": [LONGER], "first-two": PROMPTS[:2], "next-two": PROMPTS[2:4]}
 
 
 def prefill(P: Engine, prompts: list[list[int]]) -> list[dict]:
@@ -61,17 +52,8 @@ def same(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(engines: Engines) -> dict[str, list[dict]]:
-    """The aggregated run's answers, computed first and alone (two cores: few engines at a time)."""
-    (agg,) = engines.get(("agg-1", 1, None, "0"))
-    out = {name: agg.generate(batch, 8) for name, batch in BATCHES.items()}
-    engines.drop("agg-1")
-    return out
-
-
-@pytest.fixture(scope="module")
 def tp1(engines: Engines, reference):
-    yield engines.get(("kvsvc-p1", 1, kvsvc("kv_producer"), "0"), ("kvsvc-d1", 1, kvsvc("kv_consumer"), "1"))
+    yield engines.get(("kvsvc-p1", 1, kvsvc("kv_producer")), ("kvsvc-d1", 1, kvsvc("kv_consumer")))
     for name in ("kvsvc-p1", "kvsvc-d1"):
         engines.drop(name)
 

@@ -9,23 +9,39 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.engines import NIXL, Engines, kvsvc
-from tests.vllm.test_connector import PROMPTS, disaggregated, same
+from tests.vllm.engines import NIXL, Engine, Engines, kvsvc
+from tests.vllm.prompts import PROMPTS
+from tests.vllm.test_connector import disaggregated, same
 
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.mark.xfail(strict=False, reason="open: on this 2-core machine the oracle, vLLM's NixlConnector with a TP-2 "
-                   "engine, sometimes hangs (its workers stop answering the engine core); README, Use with vLLM")
+def handshake(P: Engine, D: Engine, tries: int = 3) -> None:
+    """Let the oracle pair finish its first contact before the compared batch.
+
+    NixlConnector gives a handshake 5 s (fixed in vLLM 0.32); on two busy cores P's side
+    sometimes answers later, and that request's load fails. A short prompt (no whole
+    block, so nothing cached on D) goes through until one loads.
+    """
+    probe = [PROMPTS[0]]
+    assert len(PROMPTS[0]) < 32
+    for _ in range(tries):
+        params = [o["kv_transfer_params"] for o in P.generate(probe, 1, [{"do_remote_decode": True}])]
+        if D.generate(probe, 2, params)[0]["token_ids"]:
+            return
+    raise AssertionError(f"the NixlConnector pair did not load a request in {tries} tries:\n{D.tail()}")
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_hetero_tp_equals_vllms_nixl_connector(engines: Engines, p_tp: int, d_tp: int):
     prompts = PROMPTS[:6]
-    kp, kd = engines.get((f"kvsvc-p{p_tp}", p_tp, kvsvc("kv_producer"), "0"),
-                         (f"kvsvc-d{d_tp}", d_tp, kvsvc("kv_consumer"), "1"))
+    kp, kd = engines.get((f"kvsvc-p{p_tp}", p_tp, kvsvc("kv_producer")),
+                         (f"kvsvc-d{d_tp}", d_tp, kvsvc("kv_consumer")))
     ours = disaggregated(kp, kd, prompts)
     engines.drop(kp.name)
     engines.drop(kd.name)
-    np_, nd = engines.get((f"nixl-p{p_tp}", p_tp, NIXL, "0"), (f"nixl-d{d_tp}", d_tp, NIXL, "1"))
+    np_, nd = engines.get((f"nixl-p{p_tp}", p_tp, NIXL), (f"nixl-d{d_tp}", d_tp, NIXL))
+    handshake(np_, nd)
     params = [o["kv_transfer_params"] for o in np_.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))]
     theirs = nd.generate(prompts, 8, params)
     engines.drop(np_.name)

@@ -29,6 +29,7 @@ from kvsvc.config import Role
 from kvsvc.integrations.vllm.layout import describe
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
+from kvsvc.integrations.vllm.stats import KvsvcConnectorStats, KvsvcPromMetrics
 from kvsvc.integrations.vllm.worker import KvsvcWorker
 
 _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
@@ -119,6 +120,18 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving, failed = self._worker.transfer_results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KvsvcConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvsvcConnectorStats:
+        return KvsvcConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvsvcPromMetrics:
+        return KvsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

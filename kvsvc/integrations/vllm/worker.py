@@ -25,7 +25,9 @@ from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription
 from kvsvc.integrations.vllm.loop import LoopThread
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
 from kvsvc.service.server import RunningServer, create_server
+from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
 
@@ -64,6 +66,7 @@ class KvsvcWorker:
         # P: requests vLLM said are finished (a release may be reported only for those), oldest
         # first; bounded, since most finished requests (D's, aborted ones) are never released here.
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self._stats = KvsvcConnectorStats()  # since vLLM last took them
 
     # ---- set-up ----------------------------------------------------------------------
 
@@ -93,6 +96,9 @@ class KvsvcWorker:
             async for ev in stream:
                 with self._lock:
                     self._released.add(ev.request_id)
+                    counted = RELEASE_COUNTS.get(pb.ReleaseReason.Name(ev.reason))
+                    if counted:
+                        self._stats.count(counted)
         finally:
             stream.cancel()
 
@@ -139,11 +145,16 @@ class KvsvcWorker:
         failed = fut.cancelled() or fut.exception() is not None
         with self._lock:
             self._running.pop(req_id, None)
-            if failed:
-                if not fut.cancelled():
-                    log.warning("kvsvc: transfer of %s failed: %s", req_id, fut.exception())
+            if fut.cancelled():
+                self._stats.count("cancelled")
+            elif failed:
+                self._stats.count("failed")
+                log.warning("kvsvc: transfer of %s failed: %s", req_id, fut.exception())
             else:
                 resp = fut.result()
+                self._stats.record_transfer(xfer_s=resp.duration_us / 1e6,
+                                            wire_s=max((r.duration_us for r in resp.ranks), default=0) / 1e6,
+                                            nbytes=resp.total_bytes, descriptors=sum(r.num_descriptors for r in resp.ranks))
                 log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
             if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
                 self._recv_done.add(req_id)
@@ -157,6 +168,12 @@ class KvsvcWorker:
             log.info("kvsvc: %s abandoned before its transfer: %s", req_id, answers)
         except Exception as e:
             log.warning("kvsvc: could not abort the lease of %s: %s", req_id, e)
+
+    def take_stats(self) -> KvsvcConnectorStats | None:
+        """What happened since the last call (None: nothing)."""
+        with self._lock:
+            stats, self._stats = self._stats, KvsvcConnectorStats()
+        return None if stats.is_empty() else stats
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""

@@ -1,0 +1,151 @@
+"""`vllm serve` P and D engines with KvsvcConnector behind kvsvc's router, over HTTP.
+
+What the README's "Use with vLLM" tells a user to run: two OpenAI-compatible servers
+and `python -m kvsvc.integrations.vllm.router`. Answers equal the aggregated run (greedy
+token ids and logprobs). Aborts are real client disconnects, which vLLM turns into
+request aborts; after each, P's blocks come back (kvsvc released the lease) and D holds
+no block (POST /reset_prefix_cache succeeds only then), and D keeps serving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.vllm.engines import kvsvc
+from tests.vllm.prompts import PROMPTS
+from tests.vllm.releases import Releases, p_servers
+from tests.vllm.served import Served, completion, router, tokens_and_logprobs, vllm_serve
+from tests.vllm.test_connector import CONSUMED
+
+pytestmark = pytest.mark.timeout(1200)
+
+# D runs at most two requests at once, so two long ones keep a third waiting, unscheduled.
+D_MAX_SEQS = 2
+LONG = completion([7] * 20, 400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(engines, reference, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("served")
+    p = vllm_serve("serve-p", engines.model, logs, kvsvc("kv_producer"))
+    d = vllm_serve("serve-d", engines.model, logs, kvsvc("kv_consumer"), extra_args=("--max-num-seqs", str(D_MAX_SEQS)))
+    procs: list[Served] = [p, d]
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        r = router(logs, p, d)
+        procs.append(r)
+        r.wait_ready(60)
+        yield p, d, r
+    finally:
+        for s in procs:
+            s.stop()
+
+
+def prefill(p: Served, prompt: list[int]) -> dict:
+    params = p.post("/v1/completions", completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    kv = params["kv_transfer_params"]
+    assert kv and kv.get("do_remote_prefill") and "kvsvc" in kv, params
+    return kv
+
+
+def nothing_held(p: Served, d: Served) -> None:
+    assert p.blocks_all_free(), ("P still holds blocks", p.tail())
+    assert d.blocks_all_free(), ("D still holds blocks", d.tail())
+
+
+def test_pd_over_http_and_the_router_equal_the_aggregated_run(served, reference):
+    p, d, r = served
+    kv = prefill(p, PROMPTS[5])
+    releases = Releases(p_servers(kv))
+    try:
+        # P then D by hand, as a router does ...
+        direct = d.post("/v1/completions", completion(PROMPTS[5], 8, kv_transfer_params=kv))
+        assert tokens_and_logprobs(direct) == reference["alone-5"][0]
+        # ... and through the router, whole and streamed.
+        routed = r.post("/v1/completions", completion(PROMPTS[9], 8))
+        assert tokens_and_logprobs(routed) == reference["alone-9"][0]
+        streamed = requests.post(r.url + "/v1/completions", json=completion(PROMPTS[9], 8, stream=True), stream=True,
+                                 timeout=300)
+        ids = []
+        for line in streamed.iter_lines():
+            if line.startswith(b"data: {"):
+                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        assert ids == reference["alone-9"][0]["token_ids"]
+        # Three leases, each read by D: every one released CONSUMED, none left.
+        got = releases.wait([kv["remote_request_id"]])
+        deadline = time.monotonic() + 30
+        while len(releases.events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(reason for _, _, reason in releases.events) == [CONSUMED] * 3, (got, releases.events)
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    nothing_held(p, d)
+    # The connector's figures in vLLM's own /metrics and KV-transfer log line.
+    assert d.wait_metric("vllm:kvsvc_xfer_time_seconds_count", 3) >= 3
+    assert d.metrics()["vllm:kvsvc_bytes_transferred_sum"] >= 3 * 32 * 1024  # at least a 32 KiB block each
+    assert p.wait_metric("vllm:kvsvc_num_kv_consumed_reqs_total", 3) >= 3
+    assert wait_for_log(d, "KV Transfer metrics: Num successful transfers="), d.tail()
+
+
+def wait_for_log(s: Served, text: str, timeout_s: float = 40) -> bool:
+    """vLLM logs its stats every 10 s while it has work, and once more when it goes idle."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in s.log.read_text(errors="replace"):
+            return True
+        time.sleep(1)
+    return False
+
+
+def test_a_request_aborted_on_d_before_its_transfer_gives_p_its_blocks_back(served, reference):
+    p, d, _ = served
+    kv = prefill(p, PROMPTS[3])
+    releases = Releases(p_servers(kv))
+    pool = concurrent.futures.ThreadPoolExecutor(D_MAX_SEQS)
+    try:
+        busy = [pool.submit(d.post, "/v1/completions", LONG) for _ in range(D_MAX_SEQS)]
+        time.sleep(2)  # both long requests hold D's two slots
+        with pytest.raises(requests.Timeout):  # the client gives up while D has not scheduled it
+            requests.post(d.url + "/v1/completions", json=completion(PROMPTS[3], 8, kv_transfer_params=kv), timeout=1)
+        got = releases.wait([kv["remote_request_id"]], timeout_s=60)
+        assert got.get(kv["remote_request_id"]) == ["RELEASE_REASON_ABORTED"], (got, d.tail())
+        assert all(len(f.result()["choices"][0]["token_ids"]) == 400 for f in busy)
+        assert releases.live_leases() == 0
+    finally:
+        pool.shutdown(wait=True)
+        releases.close()
+    nothing_held(p, d)
+    assert p.wait_metric("vllm:kvsvc_num_kv_aborted_reqs_total", 1) >= 1
+    assert tokens_and_logprobs(served[2].post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
+
+
+def test_a_request_aborted_on_d_during_its_transfer_frees_both_sides(served, reference):
+    p, d, r = served
+    kv = prefill(p, PROMPTS[7])
+    releases = Releases(p_servers(kv))
+    try:
+        p.signal(signal.SIGSTOP)  # P's servers stop answering: D's transfer waits on them
+        try:
+            with pytest.raises(requests.Timeout):
+                requests.post(d.url + "/v1/completions", json=completion(PROMPTS[7], 8, kv_transfer_params=kv),
+                              timeout=3)
+            time.sleep(1)  # D aborts the request and cancels its transfer
+        finally:
+            p.signal(signal.SIGCONT)
+        got = releases.wait([kv["remote_request_id"]], timeout_s=120)
+        reasons = got.get(kv["remote_request_id"])
+        assert reasons in (["RELEASE_REASON_ABORTED"], ["RELEASE_REASON_EXPIRED"]), (got, d.tail())
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    nothing_held(p, d)
+    assert d.wait_metric("vllm:kvsvc_num_cancelled_transfers_total", 1) >= 1
+    assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
