@@ -90,7 +90,8 @@ def decode_streamed(d: Served, prompt: list[int], params: dict[str, Any], max_to
     return first, ids
 
 
-def run_pair(name: str, model: Path, logs: Path, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run_pair(name: str, model: Path, logs: Path, warm_up: list[list[int]], prompts: list[list[int]],
+             max_tokens: int) -> dict[str, Any]:
     conf = CONNECTORS[name]
     env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
     env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
@@ -99,7 +100,7 @@ def run_pair(name: str, model: Path, logs: Path, prompts: list[list[int]], max_t
     try:
         p.wait_ready()
         d.wait_ready()
-        for prompt in prompts[:2]:  # warm-up: first contact, handshakes, allocator
+        for prompt in warm_up:  # warm-up: first contact, handshakes, allocator
             params = p.post("/v1/completions", completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
             decode_streamed(d, prompt, params["kv_transfer_params"], 2)
         d.post("/reset_prefix_cache")
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         write_model(base / "model")
         for name in CONNECTORS:
             print(f"{name}: starting a P and a D engine ...", file=sys.stderr)
-            results[name] = run_pair(name, base / "model", base, prompts, args.max_tokens)
+            results[name] = run_pair(name, base / "model", base, prompts[:2], prompts[2:], args.max_tokens)
     same = results["kvsvc"].pop("outputs") == results["nixl"].pop("outputs")
     rows = [("D time to first token p50 (ms)", "d_ttft_ms_p50"), ("D time to first token mean (ms)", "d_ttft_ms_mean"),
             ("D time to first token max (ms)", "d_ttft_ms_max"), ("transfer time mean (ms)", "transfer_ms_mean"),

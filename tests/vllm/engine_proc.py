@@ -25,8 +25,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512, block_size=32,
-              **engine_args)
+    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512, block_size=32)
+    kw.update(engine_args)
     if connector:
         kw["kv_transfer_config"] = KVTransferConfig(**connector)
     llm = LLM(**kw)

@@ -30,6 +30,21 @@ def write_model(path: Path) -> None:
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
+def write_mla_model(path: Path) -> None:
+    """A small random-weight DeepSeek-V2-style model: MLA attention (latent 512 + rope 64, the
+    sizes vLLM's CPU MLA kernel takes), dense MLPs only."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                           qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=2,
+                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           max_position_embeddings=1024)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,7 +55,7 @@ class Engine:
     """One vLLM engine (LLM) in a process of its own; generate() returns its outputs."""
 
     def __init__(self, name: str, model: Path, logs: Path, *, tp: int = 1,
-                 connector: dict[str, Any] | None = None) -> None:
+                 connector: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None) -> None:
         self.name = name
         # Unbound, one OpenMP thread per worker: with several engines on two cores, workers pinned
         # to a core (vLLM's default) starve whatever else shares it, and a TP-2 NixlConnector
@@ -51,7 +66,7 @@ class Engine:
         self.log = logs / f"{name}.log"
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.engine_proc", str(model), json.dumps({"tensor_parallel_size": tp}),
+            [sys.executable, "-m", "tests.vllm.engine_proc", str(model), json.dumps({"tensor_parallel_size": tp, **(engine_args or {})}),
              json.dumps(connector) if connector else ""],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True, cwd=ROOT, env=env,
             start_new_session=True)
@@ -115,13 +130,13 @@ class Engine:
 class Engines:
     """Engines started on demand (in parallel when asked together) and stopped at the end."""
 
-    def __init__(self, model: Path, logs: Path) -> None:
-        self.model, self.logs = model, logs
+    def __init__(self, model: Path, logs: Path, engine_args: dict[str, Any] | None = None) -> None:
+        self.model, self.logs, self.engine_args = model, logs, engine_args
         self._cache: dict[str, Engine] = {}
 
     def get(self, *specs: tuple[str, int, dict[str, Any] | None]) -> list[Engine]:
         """specs: (name, tp, connector config); started ones are reused."""
-        new = [Engine(name, self.model, self.logs, tp=tp, connector=conn)
+        new = [Engine(name, self.model, self.logs, tp=tp, connector=conn, engine_args=self.engine_args)
                for name, tp, conn in specs if name not in self._cache]
         for e in new:
             self._cache[e.name] = e

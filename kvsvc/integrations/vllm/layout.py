@@ -3,7 +3,8 @@
 Read from vLLM's KVCacheConfig (groups, layer names, specs) and the tensors it
 allocated, never from a copy. Supported: vLLM's CPU attention layout (a layer is
 [num_blocks, heads, block_size, head_size + head_size_v], K and V packed per token:
-kvsvc's packed_kv), MLA ([num_blocks, block_size, head_size]: latent), and the split
+kvsvc's packed_kv), MLA ([num_blocks, block_size, head_size]: latent; on CPU with a head
+axis of one), and the split
 K/V layout of GPU backends ([2, num_blocks, block_size, heads, head_size] with the
 stride order deciding HND or NHD). Anything else is refused with the reason.
 """
@@ -55,6 +56,18 @@ def _attention_views(name: str, t: Any, spec: Any) -> tuple[list[Any], str, str]
                   f"(heads {heads}, block {block}, head sizes {hs}/{hv})", layer=name, shape=tuple(t.shape))
 
 
+def _latent_view(name: str, t: Any, spec: Any) -> Any:
+    """An MLA layer as [num_blocks, block_size, head_size]: GPU backends allocate it so, the CPU
+    backend with a head axis of one ([num_blocks, 1, block_size, head_size])."""
+    latent = (spec.block_size, spec.head_size)
+    if t.dim() == 3 and tuple(t.shape[1:]) == latent:
+        return t
+    if t.dim() == 4 and tuple(t.shape[1:]) in ((1, *latent), (latent[0], 1, latent[1])):
+        return t.flatten(1, 2)  # a view: the axis of one adds no stride
+    raise _refuse(f"MLA layer {name}: tensor of shape {tuple(t.shape)} (block {latent[0]}, latent {latent[1]})",
+                  layer=name, shape=tuple(t.shape))
+
+
 def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: str, total_num_kv_heads: int,
              dcp_size: int = 1) -> CacheDescription:
     """The kvsvc layout of one worker's caches and the views to register, in kvsvc's region order."""
@@ -74,9 +87,7 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
                 raise _refuse(f"layer {name} of group {gi} has no KV tensor", layer=name)
             t = kv_caches[name]
             if kind == "MLAAttentionSpec":
-                if t.dim() != 3 or tuple(t.shape[1:]) != (spec.block_size, spec.head_size):
-                    raise _refuse(f"MLA layer {name}: tensor of shape {tuple(t.shape)}", layer=name)
-                views, nb = [t], int(t.shape[0])
+                views, nb = [_latent_view(name, t, spec)], int(t.shape[0])
             else:
                 views, reg, mem = _attention_views(name, t, spec)
                 if (region or reg, memory or mem) != (reg, mem):
