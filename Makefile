@@ -34,9 +34,9 @@ test-core: $(STAMP) proto-check node
 	$(BIN)/python -m pytest -q -m "not full"
 
 # Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB; the
-# tests take several minutes on two cores).
+# tests take several minutes on two cores; test-full adds the GQA hetero-TP pairs).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -m "not full" tests/vllm
 
 test-full: $(STAMP) proto-check node $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q

@@ -13,7 +13,7 @@ from tests.vllm.engines import NIXL, Engine, Engines, kvsvc
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.test_connector import disaggregated, same
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.full]  # make test-full: two more engine pairs per case
 
 
 def handshake(P: Engine, D: Engine, tries: int = 3) -> None:
