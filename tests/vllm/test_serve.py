@@ -24,12 +24,16 @@ from tests.vllm.test_connector import CONSUMED
 
 pytestmark = pytest.mark.timeout(1200)
 
+# P's leases live this long unread: long enough for every D here to come, short enough to
+# watch one expire.
+LEASE_TTL_S = 40
+
 
 
 @pytest.fixture(scope="module")
 def served(engines, reference, tmp_path_factory):
     logs = tmp_path_factory.mktemp("served")
-    p = vllm_serve("serve-p", engines.model, logs, kvsvc("kv_producer"))
+    p = vllm_serve("serve-p", engines.model, logs, kvsvc("kv_producer", lease_ttl_s=LEASE_TTL_S))
     d = vllm_serve("serve-d", engines.model, logs, kvsvc("kv_consumer"))
     procs: list[Served] = [p, d]
     try:
@@ -145,3 +149,17 @@ def test_a_request_aborted_on_d_during_its_transfer_frees_both_sides(served, ref
     nothing_held(p, d)
     assert d.wait_metric("vllm:kvsvc_num_cancelled_transfers_total", 1) >= 1
     assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
+
+
+def test_a_request_d_never_asks_for_expires_and_p_gets_its_blocks_back(served):
+    p, d, _ = served
+    kv = prefill(p, PROMPTS[8])  # and no decode engine ever comes
+    releases = Releases(p_servers(kv))
+    try:
+        got = releases.wait([kv["remote_request_id"]], timeout_s=LEASE_TTL_S + 60)
+        assert got.get(kv["remote_request_id"]) == ["RELEASE_REASON_EXPIRED"], got
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    nothing_held(p, d)
+    assert p.wait_metric("vllm:kvsvc_num_kv_expired_reqs_total", 1) >= 1
