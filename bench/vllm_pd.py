@@ -128,6 +128,8 @@ def run_pair(name: str, model: Path, logs: Path, warm_up: list[list[int]], promp
             "transfers_recorded": int(loads),
             "p_cpu_s_per_request": round((cpu1[0] - cpu0[0]) / n, 4),
             "d_cpu_s_per_request": round((cpu1[1] - cpu0[1]) / n, 4),
+            "p_cpu_cores": round((cpu1[0] - cpu0[0]) / wall, 2),  # CPU seconds per second over the run
+            "d_cpu_cores": round((cpu1[1] - cpu0[1]) / wall, 2),
             "wall_s": round(wall, 2),
             "outputs": outputs,
         }
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("D time to first token p50 (ms)", "d_ttft_ms_p50"), ("D time to first token mean (ms)", "d_ttft_ms_mean"),
             ("D time to first token max (ms)", "d_ttft_ms_max"), ("transfer time mean (ms)", "transfer_ms_mean"),
             ("P CPU s / request", "p_cpu_s_per_request"), ("D CPU s / request", "d_cpu_s_per_request"),
+            ("P CPU cores busy", "p_cpu_cores"), ("D CPU cores busy", "d_cpu_cores"),
             ("wall time (s)", "wall_s")]
     print(f"\n{args.requests} requests of {args.prompt_tokens} tokens, {args.max_tokens} decoded, one at a time")
     print(f"{'':34}{'kvsvc':>12}{'NixlConnector':>16}")
