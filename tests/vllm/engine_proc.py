@@ -4,7 +4,8 @@
 
 Requests: {"op": "generate", "prompts": [[ids...]], "max_tokens": N, "params": [dict|null]}
           -> {"outputs": [{"token_ids": [...], "logprobs": [...], "kv_transfer_params": {...}|null}]}
-          {"op": "stop"}. The engine answers {"ready": true} once started.
+          {"op": "blocks_free", "timeout_s": S} -> {"free": bool}: whether the engine holds no KV
+          block (within S seconds); {"op": "stop"}. The engine answers {"ready": true} once started.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def main() -> None:
@@ -36,6 +38,15 @@ def main() -> None:
         req = json.loads(line)
         if req["op"] == "stop":
             break
+        if req["op"] == "blocks_free":  # True once no KV block is held (vLLM resets the prefix cache only then)
+            deadline = time.monotonic() + req.get("timeout_s", 60)
+            free = llm.reset_prefix_cache()
+            while not free and time.monotonic() < deadline:
+                time.sleep(0.2)
+                free = llm.reset_prefix_cache()
+            out.write(json.dumps({"free": free}) + "\n")
+            out.flush()
+            continue
         sps = []
         for p in req["params"]:
             extra = {"kv_transfer_params": p} if p is not None else None

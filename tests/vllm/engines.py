@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def still_serving(address: str, grace_s: float = 15.0) -> bool:
+    """Whether something still accepts connections at address after grace_s (a killed process
+    closes its sockets only once it has exited, which takes a moment)."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                pass
+        except OSError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
+
+
 class Engine:
     """One vLLM engine (LLM) in a process of its own; generate() returns its outputs."""
 
@@ -64,6 +82,10 @@ class Engine:
         if connector and connector.get("kv_connector") == "NixlConnector":
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
         self.log = logs / f"{name}.log"
+        n = 1
+        while self.log.exists():  # an engine started again under the same name keeps the first one's log
+            n += 1
+            self.log = logs / f"{name}.{n}.log"
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm.engine_proc", str(model), json.dumps({"tensor_parallel_size": tp, **(engine_args or {})}),
@@ -78,17 +100,28 @@ class Engine:
             raise RuntimeError(f"engine {self.name} did not start:\n{self.tail()}")
         assert json.loads(line) == {"ready": True}
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None
-                 ) -> list[dict[str, Any]]:
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             assert self.proc.stdin and self.proc.stdout
-            self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                                              "params": params or [None] * len(prompts)}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"engine {self.name} died:\n{self.tail()}")
-        return json.loads(line)["outputs"]
+        return json.loads(line)
+
+    def blocks_free(self, timeout_s: float = 60) -> bool:
+        """True once the engine holds no KV block (P frees a request's after kvsvc released it)."""
+        return bool(self._ask({"op": "blocks_free", "timeout_s": timeout_s})["free"])
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None
+                 ) -> list[dict[str, Any]]:
+        return self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                          "params": params or [None] * len(prompts)})["outputs"]
+
+    def kvsvc_servers(self) -> list[str]:
+        """The addresses its workers' embedded kvsvc servers logged."""
+        return sorted(set(re.findall(r"kvsvc: rank \d+ serves its KV at (\S+)", self.log.read_text(errors="replace"))))
 
     def tail(self, n: int = 40) -> str:
         lines = [x for x in self.log.read_text(errors="replace").splitlines() if "Location 'file" not in x]
@@ -145,9 +178,12 @@ class Engines:
         return [self._cache[name] for name, *_ in specs]
 
     def drop(self, name: str) -> None:
+        """Stop the engine; none of its kvsvc servers may still accept connections after."""
         e = self._cache.pop(name, None)
         if e is not None:
             e.stop()
+            alive = [a for a in e.kvsvc_servers() if still_serving(a)]
+            assert not alive, f"kvsvc servers of {name} outlived it: {alive}"
 
     def stop_all(self) -> None:
         for name in list(self._cache):

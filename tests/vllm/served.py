@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 import requests
 
-from tests.vllm.engines import ROOT, _free_port
+from tests.vllm.engines import ROOT, _free_port, still_serving
 
 
 class Served:
@@ -101,6 +102,9 @@ class Served:
             pass
         self.proc.wait(30)
         self._log_file.close()
+        servers = re.findall(r"kvsvc: rank \d+ serves its KV at (\S+)", self.log.read_text(errors="replace"))
+        alive = [a for a in servers if still_serving(a)]
+        assert not alive, f"kvsvc servers of {self.name} outlived it: {alive}"
 
 
 def vllm_serve(name: str, model: Path, logs: Path, connector: dict[str, Any] | None, *, tp: int = 1,

@@ -30,10 +30,13 @@ def prefill(P: Engine, prompts: list[list[int]]) -> list[dict]:
     return params
 
 
-def disaggregated(P: Engine, D: Engine, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
-    """P prefills, D decodes with P's params; asserts P released every request CONSUMED, once per server."""
+def disaggregated(P: Engine, D: Engine, prompts: list[list[int]], max_tokens: int = 8, *,
+                  keep_cache: bool = False) -> list[dict]:
+    """P prefills, D decodes with P's params; asserts P released every request CONSUMED, once per server,
+    and (unless keep_cache: the check empties both prefix caches) that neither engine holds a KV block."""
     params = prefill(P, prompts)
     releases = Releases([a for p in params for a in p_servers(p)])
+    assert set(releases.addresses) == set(P.kvsvc_servers()), (releases.addresses, P.kvsvc_servers())
     try:
         outs = D.generate(prompts, max_tokens, params)
         ids = [p["remote_request_id"] for p in params]
@@ -43,6 +46,9 @@ def disaggregated(P: Engine, D: Engine, prompts: list[list[int]], max_tokens: in
         assert releases.live_leases() == 0
     finally:
         releases.close()
+    if not keep_cache:
+        assert P.blocks_free(), ("P still holds KV blocks", P.tail())
+        assert D.blocks_free(), ("D still holds KV blocks", D.tail())
     return outs
 
 
@@ -65,7 +71,7 @@ def test_tp1_pd_equals_the_aggregated_run(tp1, reference):
 
 def test_prefix_hit_on_d_reads_only_the_tail(tp1, reference):
     P, D = tp1
-    disaggregated(P, D, [HEAD])
+    disaggregated(P, D, [HEAD], keep_cache=True)
     (out,) = disaggregated(P, D, [LONGER])
     assert out["num_cached_tokens"] >= 96  # the first three blocks came from D's own cache
     same([out], reference["longer"])
@@ -83,3 +89,4 @@ def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines,
     # D's loads fail (kv_load_failure_policy "recompute"): it prefills itself, same tokens.
     same(D.generate(PROMPTS[:2], 8, params), reference["first-two"])
     same(D.generate(PROMPTS[2:4], 8), reference["next-two"])  # and keeps serving
+    assert D.blocks_free(), ("D still holds KV blocks after the failed loads", D.tail())
