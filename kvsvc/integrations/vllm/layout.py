@@ -4,9 +4,9 @@ Read from vLLM's KVCacheConfig (groups, layer names, specs) and the tensors it
 allocated, never from a copy. Supported: vLLM's CPU attention layout (a layer is
 [num_blocks, heads, block_size, head_size + head_size_v], K and V packed per token:
 kvsvc's packed_kv), MLA ([num_blocks, block_size, head_size]: latent; on CPU with a head
-axis of one), and the split
-K/V layout of GPU backends ([2, num_blocks, block_size, heads, head_size] with the
-stride order deciding HND or NHD). Anything else is refused with the reason.
+axis of one), and the split K/V layout of GPU backends ([2, num_blocks, block_size,
+heads, head_size] with the stride order deciding HND or NHD). Anything else is refused
+with the reason.
 """
 
 from __future__ import annotations
