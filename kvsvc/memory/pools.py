@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import re
+import time
 from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 
-from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.layout.regions import Region
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,34 @@ class ShmPool(Pool):
         self._array = np.frombuffer(self._shm.buf, dtype=np.uint8, count=size_bytes)  # type: ignore[arg-type]
         super().__init__(rank, size_bytes, int(self._array.ctypes.data))
         self.shm_name = name
+        try:
+            self.populate_s = self._populate()
+        except BaseException:
+            self.close()
+            raise
+        log.info("pool of rank %d: %.1f MiB in /dev/shm/%s, every page backed in %.1f ms", rank,
+                 size_bytes / 2**20, name.lstrip("/"), self.populate_s * 1e3)
+
+    def _populate(self) -> float:
+        """Back every page now, and map it here; returns the seconds it took.
+
+        A READ into never-touched pages pays a page fault and a zeroed page per 4 KiB, several
+        times the wire time of a small transfer; engines would pay it on every first use of a
+        block. And a /dev/shm too small for the pool fails here, clearly, rather than with a
+        SIGBUS on the first write into a page it cannot back.
+        """
+        t0 = time.perf_counter()
+        fd = os.open(f"/dev/shm/{self.shm_name.lstrip('/')}", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.size_bytes)
+        except OSError as e:
+            raise KvsvcError("POOL_NO_MEMORY", f"cannot back a {self.size_bytes}-byte pool in /dev/shm: "
+                             f"{os.strerror(e.errno or 0)}", {"shm_name": self.shm_name, "bytes": self.size_bytes},
+                             code=ErrorCode.RESOURCE_EXHAUSTED) from e
+        finally:
+            os.close(fd)
+        self._array[:: mmap.PAGESIZE] = 0  # the pages are allocated; this maps them into this process
+        return time.perf_counter() - t0
 
     @property
     def array(self) -> np.ndarray:

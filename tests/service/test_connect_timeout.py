@@ -8,9 +8,10 @@ dialled with the peer deadline as their connect limit (kvsvc.service.peers).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import socket
+import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,46 +21,62 @@ from kvsvc.errors import KvsvcError
 DELAY_S = 3.0
 
 
-@contextlib.asynccontextmanager
-async def slow_relay(port: int) -> AsyncIterator[int]:
-    """A TCP relay to 127.0.0.1:port that holds every new connection DELAY_S before relaying."""
-    closing = asyncio.Event()
-    handlers: set[asyncio.Task[None]] = set()
-    writers: list[asyncio.StreamWriter] = []
+@contextlib.contextmanager
+def slow_relay(port: int) -> Iterator[int]:
+    """A TCP relay to 127.0.0.1:port that holds every new connection DELAY_S before relaying.
 
-    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await src.read(65536):
-                dst.write(data)
-                await dst.drain()
-        dst.close()
+    Plain sockets and threads, every socket kept in one list and closed at the end (a relay
+    on the test's event loop would race the loop's own accept against its shutdown).
+    """
+    closing = threading.Event()
+    sockets: list[socket.socket] = []
+    lock = threading.Lock()
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handlers.add(asyncio.current_task())  # type: ignore[arg-type]
-        writers.append(writer)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(closing.wait(), DELAY_S)
-        if closing.is_set():
-            writer.close()
+    def keep(s: socket.socket) -> socket.socket:
+        with lock:
+            if closing.is_set():  # came in while the relay was being closed
+                s.close()
+            else:
+                sockets.append(s)
+        return s
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def handle(client: socket.socket) -> None:
+        if closing.wait(DELAY_S):
             return
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
-        writers.append(up_writer)
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        with contextlib.suppress(OSError):
+            upstream = keep(socket.create_connection(("127.0.0.1", port)))
+            threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+            pipe(upstream, client)
 
-    relay = await asyncio.start_server(handle, "127.0.0.1", 0)
+    listener = keep(socket.create_server(("127.0.0.1", 0)))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while not closing.is_set():
+                client, _ = listener.accept()
+                threading.Thread(target=handle, args=(keep(client),), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
     try:
-        yield relay.sockets[0].getsockname()[1]
+        yield listener.getsockname()[1]
     finally:
-        closing.set()
-        relay.close()
-        await asyncio.sleep(0.1)  # connections accepted just now reach their handler
-        for w in writers:
-            w.close()
-        await asyncio.gather(*handlers, return_exceptions=True)
+        with lock:
+            closing.set()
+            for s in sockets:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
 
 
 async def test_a_short_connect_limit_gives_up_on_a_slow_server(control_server):
-    async with slow_relay(control_server.port) as port:
+    with slow_relay(control_server.port) as port:
         opts = ClientOptions(timeout_s=DELAY_S * 4, retries=0, connect_timeout_ms=int(DELAY_S * 1000 / 3))
         async with AsyncClient(f"127.0.0.1:{port}", opts) as c:
             with pytest.raises(KvsvcError) as e:
@@ -68,7 +85,7 @@ async def test_a_short_connect_limit_gives_up_on_a_slow_server(control_server):
 
 
 async def test_a_connect_limit_above_the_delay_waits_for_the_answer(control_server):
-    async with slow_relay(control_server.port) as port:
+    with slow_relay(control_server.port) as port:
         opts = ClientOptions(timeout_s=DELAY_S * 4, retries=0, connect_timeout_ms=int(DELAY_S * 1000 * 3))
         async with AsyncClient(f"127.0.0.1:{port}", opts) as c:
             info = await c.get_info()
