@@ -31,7 +31,7 @@ import psutil
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.vllm.engines import KVSVC, _free_port, write_model
+from tests.vllm.engines import KVSVC, side_channel_ports, write_model
 from tests.vllm.served import Served, completion, vllm_serve
 
 CONNECTORS: dict[str, dict[str, Any]] = {
@@ -93,8 +93,8 @@ def decode_streamed(d: Served, prompt: list[int], params: dict[str, Any], max_to
 def run_pair(name: str, model: Path, logs: Path, warm_up: list[list[int]], prompts: list[list[int]],
              max_tokens: int) -> dict[str, Any]:
     conf = CONNECTORS[name]
-    env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
-    env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
+    env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_ports(1))}
+    env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_ports(1))}
     p = vllm_serve(f"{name}-p", model, logs, conf["p"], env=env_p)
     d = vllm_serve(f"{name}-d", model, logs, conf["d"], env=env_d)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -47,6 +48,28 @@ def write_mla_model(path: Path) -> None:
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
+_SIDE_CHANNEL_PORTS_GIVEN: set[int] = set()
+
+
+def side_channel_ports(count: int) -> int:
+    """The first of `count` consecutive free ports for NixlConnector's side channel (it listens on
+    base + TP rank), below Linux's ephemeral range, so that no port-0 socket (kvsvc servers,
+    HTTP clients) can take one before the engine binds it."""
+    rng = random.SystemRandom()
+    while True:
+        base = rng.randrange(20000, 32000 - count)
+        if any(base + i in _SIDE_CHANNEL_PORTS_GIVEN for i in range(count)):
+            continue  # given to an engine that may not have bound it yet
+        try:
+            held = [socket.create_server(("127.0.0.1", base + i)) for i in range(count)]
+        except OSError:
+            continue
+        for s in held:
+            s.close()
+        _SIDE_CHANNEL_PORTS_GIVEN.update(range(base, base + count))
+        return base
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,7 +103,7 @@ class Engine:
         # engine was seen to hang so.
         env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         if connector and connector.get("kv_connector") == "NixlConnector":
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_ports(tp))
         self.log = logs / f"{name}.log"
         n = 1
         while self.log.exists():  # an engine started again under the same name keeps the first one's log
