@@ -48,6 +48,17 @@ def write_mla_model(path: Path) -> None:
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 
+def kvsvc_servers(log: Path) -> list[str]:
+    """The addresses an engine's embedded kvsvc servers logged (one per worker)."""
+    return sorted(set(re.findall(r"kvsvc: rank \d+ serves its KV at (\S+)", log.read_text(errors="replace"))))
+
+
+def assert_servers_gone(name: str, log: Path) -> None:
+    """None of a stopped engine's kvsvc servers may still accept connections."""
+    alive = [a for a in kvsvc_servers(log) if still_serving(a)]
+    assert not alive, f"kvsvc servers of {name} outlived it: {alive}"
+
+
 _SIDE_CHANNEL_PORTS_GIVEN: set[int] = set()
 
 
@@ -142,10 +153,6 @@ class Engine:
         return self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                           "params": params or [None] * len(prompts)})["outputs"]
 
-    def kvsvc_servers(self) -> list[str]:
-        """The addresses its workers' embedded kvsvc servers logged."""
-        return sorted(set(re.findall(r"kvsvc: rank \d+ serves its KV at (\S+)", self.log.read_text(errors="replace"))))
-
     def tail(self, n: int = 40) -> str:
         lines = [x for x in self.log.read_text(errors="replace").splitlines() if "Location 'file" not in x]
         return "\n".join(lines[-n:])
@@ -205,8 +212,7 @@ class Engines:
         e = self._cache.pop(name, None)
         if e is not None:
             e.stop()
-            alive = [a for a in e.kvsvc_servers() if still_serving(a)]
-            assert not alive, f"kvsvc servers of {name} outlived it: {alive}"
+            assert_servers_gone(name, e.log)
 
     def stop_all(self) -> None:
         for name in list(self._cache):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 
 import requests
 
-from tests.vllm.engines import ROOT, _free_port, still_serving
+from tests.vllm.engines import ROOT, _free_port, assert_servers_gone
 
 
 class Served:
@@ -102,9 +101,7 @@ class Served:
             pass
         self.proc.wait(30)
         self._log_file.close()
-        servers = re.findall(r"kvsvc: rank \d+ serves its KV at (\S+)", self.log.read_text(errors="replace"))
-        alive = [a for a in servers if still_serving(a)]
-        assert not alive, f"kvsvc servers of {self.name} outlived it: {alive}"
+        assert_servers_gone(self.name, self.log)
 
 
 def vllm_serve(name: str, model: Path, logs: Path, connector: dict[str, Any] | None, *, tp: int = 1,

@@ -14,7 +14,7 @@ import pytest
 
 from kvsvc.client import Client
 from kvsvc.errors import KvsvcError
-from tests.vllm.engines import Engine, Engines, kvsvc
+from tests.vllm.engines import Engine, Engines, kvsvc, kvsvc_servers
 from tests.vllm.prompts import HEAD, LONGER, PROMPTS
 from tests.vllm.releases import Releases, p_servers
 
@@ -36,7 +36,7 @@ def disaggregated(P: Engine, D: Engine, prompts: list[list[int]], max_tokens: in
     and (unless keep_cache: the check empties both prefix caches) that neither engine holds a KV block."""
     params = prefill(P, prompts)
     releases = Releases([a for p in params for a in p_servers(p)])
-    assert set(releases.addresses) == set(P.kvsvc_servers()), (releases.addresses, P.kvsvc_servers())
+    assert set(releases.addresses) == set(kvsvc_servers(P.log)), (releases.addresses, kvsvc_servers(P.log))
     try:
         outs = D.generate(prompts, max_tokens, params)
         ids = [p["remote_request_id"] for p in params]
