@@ -33,6 +33,8 @@ MAX_NUM_TOKENS = MAX_BLOCK_IDS * MAX_DIM
 """Longest request, tokens (every block id of a request at the largest block size)."""
 MAX_WAIT_MS = 60_000
 """Longest WaitTransfer wait."""
+MAX_LEASE_CALLS = 1024
+"""Most calls in one LeaseChannel message."""
 MIN_CLAIM_ID_BYTES = 16
 """Shortest claim id: it is an ownership secret, so it must not be guessable."""
 

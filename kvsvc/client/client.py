@@ -6,7 +6,7 @@ import asyncio
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -17,6 +17,9 @@ from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
+
+if TYPE_CHECKING:
+    from kvsvc.client.lease_channel import LeaseChannel
 
 @dataclass(frozen=True, slots=True)
 class ClientOptions:
@@ -110,6 +113,11 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The underlying channel (for calls this class does not wrap, e.g. LeaseChannel)."""
+        return self._channel
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
@@ -167,6 +175,13 @@ class AsyncClient:
 
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
         return await self._call(self._stub.Notify, request, timeout_s)  # type: ignore[no-any-return]
+
+    def lease_channel(self) -> LeaseChannel:
+        """ClaimLease and Notify over one LeaseChannel stream (what a D server uses for its
+        peers): .claim_lease() / .notify() as here, .close() when done."""
+        from kvsvc.client.lease_channel import LeaseChannel
+
+        return LeaseChannel(self)
 
     async def wait_transfer(self, request_id: str, *, wait_ms: int = 30_000,
                             timeout_s: float | None = None) -> pb.WaitTransferResponse:
@@ -260,6 +275,10 @@ class Client:
     def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
         return self._runner.run(self._async.notify(request, **kw))
 
+    def lease_channel(self) -> SyncLeaseChannel:
+        """The blocking twin of AsyncClient.lease_channel()."""
+        return SyncLeaseChannel(self._runner, self._async.lease_channel())
+
     def wait_transfer(self, request_id: str, **kw: Any) -> pb.WaitTransferResponse:
         return self._runner.run(self._async.wait_transfer(request_id, **kw))
 
@@ -282,3 +301,19 @@ class Client:
             return out
 
         return self._runner.run(collect())
+
+
+class SyncLeaseChannel:
+    """A LeaseChannel driven by a Client's event loop: blocking claim_lease / notify / close."""
+
+    def __init__(self, runner: asyncio.Runner, channel: LeaseChannel) -> None:
+        self._runner, self._channel = runner, channel
+
+    def claim_lease(self, request: pb.ClaimLeaseRequest, **kw: Any) -> pb.ClaimLeaseResponse:
+        return self._runner.run(self._channel.claim_lease(request, **kw))
+
+    def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
+        return self._runner.run(self._channel.notify(request, **kw))
+
+    def close(self) -> None:
+        self._runner.run(self._channel.close())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf.message import Message
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvsvc.errors import (
@@ -44,12 +44,25 @@ def is_transport_unavailable(err: KvsvcError) -> bool:
 def error_from_rpc(err: grpc.RpcError) -> KvsvcError:
     """The KvsvcError for a failed call, with ErrorInfo reason/metadata and extra details."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    reason, metadata, violations, details = code.name, {}, [], []
     message = err.details() if hasattr(err, "details") else str(err)
     try:
         status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None  # type: ignore[arg-type]
     except ValueError:  # a status whose message and details disagree: keep the plain code and message
         status = None
+    return _error(code, message or "", status)
+
+
+def error_from_status(status: status_pb2.Status) -> KvsvcError:
+    """The KvsvcError of a google.rpc.Status carried in a message (a LeaseChannel answer)."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
+    return _error(code, status.message, status)
+
+
+def _error(code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> KvsvcError:
+    reason: str = code.name
+    metadata: dict[str, str] = {}
+    violations: list[FieldViolation] = []
+    details: list[Message] = []
     if status is not None:
         message = status.message
         for any_msg in status.details:

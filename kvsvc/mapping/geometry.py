@@ -42,7 +42,7 @@ class Reads:
 
 
 @dataclass(frozen=True, slots=True)
-class _Units:
+class Units:
     local_region: np.ndarray
     local_offset: np.ndarray
     remote_region: np.ndarray
@@ -71,10 +71,22 @@ def _head_runs(
     return runs
 
 
+def region_shape(r: Region) -> tuple[object, ...]:
+    """What the units of a region depend on besides its index: regions of one shape (the
+    layers of a group, K and V alike) get the same offsets, so a plan computes them once."""
+    return (r.kind, r.group_index, r.block_len, r.block_stride, r.heads, r.tokens, r.head_bytes, r.head_major)
+
+
+def with_regions(units: dict[int, Units], la: int, rb: int) -> dict[int, Units]:
+    """The units of another region pair of the same shapes: same offsets, other indices."""
+    return {r: Units(np.full(u.length.size, la, np.int32), u.local_offset, np.full(u.length.size, rb, np.int32),
+                      u.remote_offset, u.length) for r, u in units.items()}
+
+
 def attention_units(
     a: Region, b: Region, local_ids: np.ndarray, remote_ids: np.ndarray, n: int,
     mapping: TPMapping, attn_sources: Sequence[int], ratio: int,
-) -> dict[int, _Units]:
+) -> dict[int, Units]:
     """Units of an attention or latent region pair, keyed by remote rank."""
     hl_count = a.heads if a.head_major else 1
     hr_count = b.heads if b.head_major else 1
@@ -106,9 +118,9 @@ def attention_units(
 def ssm_units(
     a: Region, b: Region, local_ids: np.ndarray, remote_ids: np.ndarray, ssm_sources: Sequence[int],
     local_rank: int, local_tp: int, remote_tp: int,
-) -> dict[int, _Units]:
+) -> dict[int, Units]:
     """Units of one SSM state region pair: state is sharded contiguously across TP."""
-    out: dict[int, _Units] = {}
+    out: dict[int, Units] = {}
     if local_tp < remote_tp:
         for j, r in enumerate(ssm_sources):
             lo = local_ids * a.block_stride + j * b.block_len
@@ -122,14 +134,14 @@ def ssm_units(
     return out
 
 
-def _stack(la: int, rb: int, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> _Units:
+def _stack(la: int, rb: int, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Units:
     lo = np.concatenate([p[0].ravel() for p in parts]).astype(I64)
     ro = np.concatenate([p[1].ravel() for p in parts]).astype(I64)
     ln = np.concatenate([p[2].ravel() for p in parts]).astype(I64)
-    return _Units(np.full(lo.size, la, np.int32), lo, np.full(lo.size, rb, np.int32), ro, ln)
+    return Units(np.full(lo.size, la, np.int32), lo, np.full(lo.size, rb, np.int32), ro, ln)
 
 
-def coalesce(remote_rank: int, units: Sequence[_Units], ordered: bool = False) -> Reads:
+def coalesce(remote_rank: int, units: Sequence[Units], ordered: bool = False) -> Reads:
     """Region-major, local-offset order; merge runs contiguous on both sides.
 
     ordered: the units already come region-major in local-offset order (the planner

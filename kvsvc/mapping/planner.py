@@ -13,7 +13,16 @@ from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.regions import PoolLayout, build_pool_layout
 from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
 from kvsvc.mapping.dcp import DcpGroup, dcp_group
-from kvsvc.mapping.geometry import Reads, attention_units, check_block_ids, coalesce, ssm_units
+from kvsvc.mapping.geometry import (
+    Reads,
+    Units,
+    attention_units,
+    check_block_ids,
+    coalesce,
+    region_shape,
+    ssm_units,
+    with_regions,
+)
 from kvsvc.mapping.topology import TransferTopology, handshake_target_ranks, tp_ratio
 from kvsvc.mapping.tp_mapping import TPMapping, compute_tp_mapping
 
@@ -208,6 +217,7 @@ def plan_rank(
     mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types, rdcp)
     n = blocks.block_ratio
     per_rank: dict[int, list] = {}
+    by_shape: dict[tuple[object, ...], dict[int, Units]] = {}
     for a, b in zip(local.pool.regions, remote.pool.regions, strict=True):
         g = a.group_index
         lids, rids = blocks.ids[g]
@@ -222,10 +232,14 @@ def plan_rank(
                     for rr, u in attention_units(a, b, pl, pr, 1, mapping, (r,), ratio).items():
                         per_rank.setdefault(rr, []).append(u)
             continue
-        if a.is_ssm:
-            units = ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size)
+        shape = (region_shape(a), region_shape(b))
+        done = by_shape.get(shape)
+        if done is not None:
+            units = with_regions(done, a.index, b.index)
+        elif a.is_ssm:
+            units = by_shape[shape] = ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size)
         else:
-            units = attention_units(a, b, lids, rids, n, mapping, sources, ratio)
+            units = by_shape[shape] = attention_units(a, b, lids, rids, n, mapping, sources, ratio)
         for r, u in units.items():
             per_rank.setdefault(r, []).append(u)
     ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing

@@ -110,6 +110,15 @@ async def _settle_post(post: asyncio.Future[InFlight]) -> bool:
     return post.exception() is None
 
 
+async def _claim_refusal(claimed: asyncio.Future[None], timeout_s: float) -> ClaimRefused | None:
+    """P's refusal of the claim, if that is how it ended (waiting up to timeout_s for it)."""
+    if not claimed.done():
+        await asyncio.wait([claimed], timeout=timeout_s)
+    if claimed.done() and not claimed.cancelled() and isinstance(claimed.exception(), ClaimRefused):
+        return claimed.exception()  # type: ignore[return-value]
+    return None
+
+
 def _deadline(time_remaining_s: float | None) -> float:
     """The job's own deadline (monotonic): the caller's, less a margin to answer in."""
     if time_remaining_s is None:
@@ -255,9 +264,16 @@ class Decoder:
         own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16), node.layout.dcp_size)
 
         posted: list[Posted] = []
+        # The claim goes out with the READs instead of before them: P's answer and the bytes
+        # travel at the same time. What makes the bytes good is unchanged -- the claim must be
+        # granted (the lease was unreleased when P granted it, and from then on only this
+        # claim can release it), the READs must end before the claim's deadline, and the
+        # final CONSUMED must find the claim still held (P alive and holding the blocks after
+        # the last byte arrived). A refused claim fails the transfer once its READs settled;
+        # what they wrote into this request's own blocks is reported invalid.
+        claimed = asyncio.ensure_future(claim_all(legs, own, self._rpc_timeout(deadline)))
+        keepers: list[asyncio.Future[None]] = []
         try:
-            await claim_all(legs, own, self._rpc_timeout(deadline))
-            marks.append(("claim", time.perf_counter()))
             for t, (rr, la, ra, ln) in reads:
                 notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
                 post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, notif, rr.memory_kind,
@@ -272,29 +288,36 @@ class Decoder:
                     raise
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
-            waits = asyncio.gather(*(x.flight.result for x in posted))
-            keepers = [asyncio.ensure_future(heartbeat(leg, own)) for leg in legs]
+            keepers = [asyncio.ensure_future(heartbeat(leg, own, claimed)) for leg in legs]
+            both = asyncio.gather(claimed, *(x.flight.result for x in posted))
             try:
-                await asyncio.wait_for(waits, max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(both, max(0.0, deadline - time.monotonic()))
             except TimeoutError as e:
                 raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
                                        {"request_id": req.request_id}) from e
             finally:
-                for k in keepers:
-                    k.cancel()
+                if both.done() and not both.cancelled():
+                    both.exception()  # raised above, or a cancellation of its parts: seen either way
             marks.append(("reads", time.perf_counter()))
             if any(leg.clock is not None and leg.clock.expired for leg in legs):
                 raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                          {"request_id": p.remote_request_id})
             await confirm_all(legs, own, self._rpc_timeout(deadline))
-        except ClaimRefused as e:
-            raise e.error from None
         except BaseException as e:
-            # A cancelled or lost claim may have gone through: abort it like any failure.
-            final = await self._fail(legs, own, posted, e, deadline)
+            # A cancelled or lost claim may have gone through: abort it like any failure. A
+            # refused one is P's answer to pass on (it explains a READ that failed alongside,
+            # e.g. from a P that restarted), once the READs it raced with settled.
+            err = e.error if isinstance(e, ClaimRefused) else e
+            if not isinstance(e, (ClaimRefused, asyncio.CancelledError)):
+                refused = await _claim_refusal(claimed, self._rpc_timeout(deadline))
+                err = refused.error if refused is not None else e
+            final = await self._fail(legs, own, posted, err, deadline, claimed)
             if final is e:
                 raise
-            raise final from e
+            raise final from None if isinstance(e, ClaimRefused) else e
+        finally:
+            for k in keepers:
+                k.cancel()
         marks.append(("notify", time.perf_counter()))
         if log.isEnabledFor(logging.DEBUG):
             prev, phases = started, []
@@ -331,7 +354,7 @@ class Decoder:
                 log.warning("could not tell %s that %s was refused: %s", address, p.remote_request_id, answer)
 
     async def _fail(self, legs: list[Leg], own: Ownership, posted: list[Posted], err: BaseException,
-                    deadline: float) -> BaseException:
+                    deadline: float, claimed: asyncio.Future[None] | None = None) -> BaseException:
         """Settle posted READs, tell every P server that may hold our claim to let go, and
         attach which blocks are valid (none).
 
@@ -352,6 +375,12 @@ class Decoder:
             except asyncio.CancelledError:
                 await asyncio.shield(waited)
         timeout = max(0.2, min(2.0, deadline + MIN_DEADLINE_MARGIN_S - time.monotonic()))
+        if claimed is not None and not claimed.done():
+            # Learn whether P granted or refused the claim (refused: no abort owed); one
+            # still unanswered stays "sent" and is aborted like a granted one.
+            await asyncio.wait([claimed], timeout=timeout)
+        if claimed is not None and claimed.done() and not claimed.cancelled():
+            claimed.exception()  # its error is err's cause or was already raised; seen here either way
         notified, gone = await abort_all(legs, own, timeout)
         failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
         final: BaseException = err

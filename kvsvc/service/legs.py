@@ -150,7 +150,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
     async def claim(leg: Leg) -> None:
         p = own.params
         leg.claim = ClaimState.SENT
-        resp = await leg.peer.client.claim_lease(pb.ClaimLeaseRequest(
+        resp = await leg.peer.lease_calls.claim_lease(pb.ClaimLeaseRequest(
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
             dcp_size=own.dcp_size),
@@ -174,7 +174,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
 async def confirm_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
     """CONSUMED at every P server; each must still know our claim (the proof the bytes are good)."""
     answers = await asyncio.gather(*(
-        leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks), timeout_s=timeout_s)
+        leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks), timeout_s=timeout_s)
         for leg in legs))
     for leg, resp in zip(legs, answers, strict=True):
         if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
@@ -184,15 +184,18 @@ async def confirm_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None
                                       "state": pb.LeaseState.Name(resp.state), "address": leg.peer.address})
 
 
-async def heartbeat(leg: Leg, own: Ownership) -> None:
-    """Keep one P server's lease alive while long reads run: HEARTBEAT at a third of the time left."""
+async def heartbeat(leg: Leg, own: Ownership, claimed: asyncio.Future[None] | None = None) -> None:
+    """Keep one P server's lease alive while long reads run: HEARTBEAT at a third of the time left
+    (once the claim, which may still be on its way, was granted)."""
+    if claimed is not None:
+        await asyncio.wait([claimed])
     clock = leg.clock
-    if clock is None:
+    if clock is None or leg.claim is not ClaimState.HELD:
         return
     while True:
         await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, clock.remaining_s / 3))
         try:
-            resp = await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch))
+            resp = await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch))
         except KvsvcError:
             log.warning("heartbeat for %s at %s failed", own.params.remote_request_id, leg.peer.address)
             continue
@@ -210,7 +213,7 @@ async def abort_all(legs: list[Leg], own: Ownership, timeout_s: float) -> tuple[
     """
     async def abort(leg: Leg) -> str:
         try:
-            await leg.peer.client.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout_s)
+            await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout_s)
             return "told"
         except KvsvcError as e:
             log.warning("could not tell %s that %s was aborted", leg.peer.address, own.params.remote_request_id)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client.lease_channel import LeaseChannel
 from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable
 from kvsvc.limits import check_tp_size
@@ -47,6 +48,12 @@ class Peer:
     client: AsyncClient
     users: int = 0
     retired: bool = False
+    lease: LeaseChannel | None = None
+
+    @property
+    def lease_calls(self) -> LeaseChannel | AsyncClient:
+        """Where ClaimLease and Notify go: the peer's LeaseChannel (else unary calls)."""
+        return self.lease if self.lease is not None else self.client
 
     @property
     def tp_size(self) -> int:
@@ -176,6 +183,8 @@ class PeerCache:
             if self._node.data is not None:
                 await self._node.data.forget({r.agent_name for r in peer.ranks.values()})
         finally:
+            if peer.lease is not None:
+                await peer.lease.close()
             await peer.client.close()
 
     @property
@@ -215,7 +224,7 @@ class PeerCache:
             ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions],
                                            "VRAM" if h.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM", h.device_id)
                      for h in resp.ranks}
-            peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client)
+            peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client, lease=LeaseChannel(client))
             try:
                 for h in resp.ranks:
                     for t in node.hosted_ranks:

@@ -48,6 +48,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     decoder: Decoder
     siblings: Siblings
+    servicer: KvTransferServicer
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
@@ -58,6 +59,7 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()  # 1. routers stop sending new work
         # 2. no new publishes; claimed leases (D may be reading them) get drain_s to finish
         await self.node.leases.drain(self.node.config.drain_timeout_s if drain_s is None else drain_s)
+        await self.servicer.close_lease_channels()  # D's notifications for those came in on them
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)  # 3. in-flight RPCs finish within the grace period
         await self.decoder.close()  # 4. transfers settle, peer channels close
@@ -127,7 +129,7 @@ async def create_server(
                     "transfer and read pool metadata (leases stay guarded by their tokens). Use this only on a "
                     "trusted network, or set tls_cert_file and tls_client_ca_file.", host, port)
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
-    return RunningServer(server, port, node, health_servicer, decoder, siblings), port
+    return RunningServer(server, port, node, health_servicer, decoder, siblings, servicer), port
 
 
 def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -11,8 +13,17 @@ from grpc_status import rpc_status
 
 from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
-from kvsvc.errors import KvsvcError
-from kvsvc.limits import MAX_ADDRESS_BYTES, check_block_lists, check_id, check_num_tokens, check_tp_size
+from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.limits import (
+    MAX_ADDRESS_BYTES,
+    MAX_LEASE_CALLS,
+    check_block_lists,
+    check_count,
+    check_id,
+    check_num_tokens,
+    check_tp_size,
+    clip,
+)
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.service import prefill
@@ -25,6 +36,8 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTransferService"]
+
+log = logging.getLogger(__name__)
 
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
@@ -44,6 +57,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.node = node
         self.decoder = decoder
         self.siblings = siblings
+        self._lease_channels: set[asyncio.Task[Any]] = set()
+        self._channels_closed = False
 
     @rpc_errors
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -108,6 +123,56 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
         return prefill.notify(self.node, request, caller_names(context))
 
+    async def LeaseChannel(
+        self, request_iterator: AsyncIterator[pb.LeaseChannelRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LeaseChannelResponse]:
+        """ClaimLease and Notify calls, a message of them at a time, answered in order; a call's
+        error is that call's answer and the stream goes on."""
+        if self._channels_closed:
+            err = Unavailable("SHUTTING_DOWN", "this server is shutting down and opens no LeaseChannel")
+            await context.abort_with_status(rpc_status.to_status(to_status(err)))
+        names = caller_names(context)
+        task = asyncio.current_task()
+        if task is not None:
+            self._lease_channels.add(task)
+        try:
+            async for msg in request_iterator:
+                try:  # the stream cannot be trusted past a message that does not parse or is too big
+                    if isinstance(msg, Malformed):
+                        raise msg.error()
+                    check_count(msg.calls, "calls", MAX_LEASE_CALLS)
+                except KvsvcError as e:
+                    await context.abort_with_status(rpc_status.to_status(to_status(e)))
+                yield pb.LeaseChannelResponse(answers=[self._lease_call(call, names) for call in msg.calls])
+        finally:
+            if task is not None:
+                self._lease_channels.discard(task)
+
+    def _lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
+        which = call.WhichOneof("call")
+        try:
+            if which == "claim":
+                return pb.LeaseAnswer(call_id=call.call_id, claim=prefill.claim(self.node, call.claim, names))
+            if which == "notify":
+                return pb.LeaseAnswer(call_id=call.call_id, notify=prefill.notify(self.node, call.notify, names))
+            raise bad_field("calls.call", "set claim or notify", "MISSING_FIELD")
+        except KvsvcError as e:
+            log.info("LeaseChannel %s failed: %s", which, clip(str(e), 300))
+            err = e
+        except Exception as e:  # a bug: answer INTERNAL for this call, keep the stream
+            log.exception("LeaseChannel %s crashed", which)
+            err = KvsvcError("INTERNAL", f"internal error in LeaseChannel {which}: {type(e).__name__}: {e}")
+        return pb.LeaseAnswer(call_id=call.call_id, error_status=to_status(err).SerializeToString())
+
+    async def close_lease_channels(self) -> None:
+        """End every open LeaseChannel (at shutdown, once no lease is claimed any more)."""
+        self._channels_closed = True
+        tasks = list(self._lease_channels)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
     async def WatchReleases(
         self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchReleasesResponse]:
@@ -150,7 +215,8 @@ def add_servicer(servicer: KvTransferServicer, server: grpc.aio.Server) -> None:
     for method in SERVICE.methods:
         req_cls = getattr(pb, method.input_type.name)
         resp_cls = getattr(pb, method.output_type.name)
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_tolerant(req_cls),
                                      response_serializer=resp_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))

@@ -685,3 +685,37 @@ class WaitTransferResponse(_message.Message):
     failure: TransferFailure
     error_reason: str
     def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., result: _Optional[_Union[TransferResponse, _Mapping]] = ..., failure: _Optional[_Union[TransferFailure, _Mapping]] = ..., error_reason: _Optional[str] = ...) -> None: ...
+
+class LeaseChannelRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[LeaseCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[LeaseCall, _Mapping]]] = ...) -> None: ...
+
+class LeaseCall(_message.Message):
+    __slots__ = ("call_id", "claim", "notify")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    claim: ClaimLeaseRequest
+    notify: NotifyRequest
+    def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseRequest, _Mapping]] = ..., notify: _Optional[_Union[NotifyRequest, _Mapping]] = ...) -> None: ...
+
+class LeaseChannelResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[LeaseAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[LeaseAnswer, _Mapping]]] = ...) -> None: ...
+
+class LeaseAnswer(_message.Message):
+    __slots__ = ("call_id", "claim", "notify", "error_status")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_STATUS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    claim: ClaimLeaseResponse
+    notify: NotifyResponse
+    error_status: bytes
+    def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseResponse, _Mapping]] = ..., notify: _Optional[_Union[NotifyResponse, _Mapping]] = ..., error_status: _Optional[bytes] = ...) -> None: ...

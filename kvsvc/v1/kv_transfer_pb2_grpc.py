@@ -82,6 +82,11 @@ class KvTransferServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferResponse.FromString,
                 _registered_method=True)
+        self.LeaseChannel = channel.stream_stream(
+                '/kvsvc.v1.KvTransferService/LeaseChannel',
+                request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -163,6 +168,17 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseChannel(self, request_iterator, context):
+        """Peer-to-peer: ClaimLease and Notify as messages on one long-lived stream from a D
+        server to a P server, answered in order and matched by call_id. Same checks, same
+        answers, same errors as the unary calls; a call's error comes back as its answer and
+        the stream goes on. A D server keeps one open per P server and sends what it has
+        ready in one message: a call costs a fraction of a unary call's round trip.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +226,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.WaitTransfer,
                     request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferResponse.SerializeToString,
+            ),
+            'LeaseChannel': grpc.stream_stream_rpc_method_handler(
+                    servicer.LeaseChannel,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -458,6 +479,33 @@ class KvTransferService:
             '/kvsvc.v1.KvTransferService/WaitTransfer',
             kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__transfer__pb2.WaitTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseChannel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsvc.v1.KvTransferService/LeaseChannel',
+            kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.attach import attach_pool
@@ -81,6 +83,16 @@ class Engine:
 
     def snapshot(self) -> dict[int, bytes]:
         return {r: bytes(m.buf) for r, m in self.mem.items()}
+
+    def restore_blocks(self, snapshot: dict[int, bytes], ids: list[list[int]]) -> None:
+        """Put back, from a snapshot, the bytes of these blocks (one list per group): what is
+        left to compare afterwards is everything outside them."""
+        for rank, mem in self.mem.items():
+            old = np.frombuffer(snapshot[rank], np.uint8)
+            for region in mem.regions:
+                for b in ids[region.group_index]:
+                    start = region.pool_offset + b * region.block_stride
+                    mem.buf[start:start + region.block_len] = old[start:start + region.block_len]
 
     def close(self) -> None:
         self.mem.clear()

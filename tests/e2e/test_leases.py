@@ -30,7 +30,12 @@ async def test_expiry_release_and_refused_read():
             with pytest.raises(FailedPrecondition) as e:
                 await s.dc.transfer("d-short", pub.params, [[4, 5, 6]])
             assert e.value.reason == "LEASE_EXPIRED"
-            assert s.de.snapshot() == before, "an expired lease must not write D's blocks"
+            # The READs raced the refused claim: they may have written the request's own
+            # blocks (4-6), which the answer calls invalid -- and nothing else of D's.
+            failure = [x for x in e.value.details if isinstance(x, pb.TransferFailure)]
+            assert failure and not failure[0].valid_local_block_ids_per_group
+            s.de.restore_blocks(before, [[4, 5, 6]])
+            assert s.de.snapshot() == before, "a refused transfer wrote outside its own blocks"
             # Nothing stays leased, and a late notify changes nothing.
             n = await s.pc.notify(pb.NotifyRequest(request_id="short", kind=pb.NOTIFY_KIND_CONSUMED,
                                                    tp_size=1, done_ranks=[0], lease_epoch=pub.params.remote_epoch))
@@ -76,7 +81,7 @@ async def test_prefill_restart_forces_rehandshake():
             async with AsyncClient(p2.address) as pc2:
                 pe2 = await Engine.of(pc2)
                 assert pe2.info.epoch != old.params.remote_epoch
-                # The old lease died with the old process: refused, nothing read.
+                # The old lease died with the old process: refused (P's answer, not the failed READ's).
                 with pytest.raises(FailedPrecondition) as e:
                     await dc.transfer("d-stale", old.params, [[5, 6]])
                 assert e.value.reason == "LEASE_EXPIRED"

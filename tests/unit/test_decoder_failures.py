@@ -163,29 +163,39 @@ async def test_cancel_waits_for_reads_then_aborts(decoder):
 
 
 async def test_cancel_during_claim_aborts_the_lease(decoder):
-    # The claim may already have been granted when the caller gave up: P must hear ABORTED.
+    # The READs went out with the claim; the claim may already have been granted when the
+    # caller gave up: the READs settle first, then P hears ABORTED.
     dec, client, data = decoder
     client.claim_behaviour = "hang"
     task = asyncio.ensure_future(dec.transfer(request(), None))
-    await asyncio.sleep(0.05)
+    await posted(data)
+    settle_later(data, 0.1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
     assert state.state == pb.TRANSFER_STATE_FAILED
     assert [(n.kind, n.request_id) for n in client.notified] == [(pb.NOTIFY_KIND_ABORTED, "p-side-id")]
-    assert not data.flights
+    assert client.settled_when_notified == [True]
+    assert data.aborted == data.flights, "the reads were cancelled, not left to run"
 
 
 async def test_refused_claim_aborts_nothing(decoder):
-    # Another engine's claim stands: D must not abort a lease that is not its own.
+    # Another engine's claim stands: the READs that raced the claim are cancelled and
+    # settled before the answer, and D does not abort a lease that is not its own.
     dec, client, data = decoder
     client.claim_behaviour = "refuse"
+    task = asyncio.ensure_future(dec.transfer(request(), None))
+    await posted(data)
+    settle_later(data, 0.1)
     with pytest.raises(FailedPrecondition) as e:
-        await dec.transfer(request(), None)
+        await task
     assert e.value.reason == "LEASE_CLAIMED" and e.value.metadata == {"claimed_by": "other"}
+    assert all(f.settled.is_set() for f in data.flights), "answered before the READs settled"
+    failure = [d for d in e.value.details if isinstance(d, pb.TransferFailure)]
+    assert failure and not failure[0].valid_local_block_ids_per_group
     await asyncio.sleep(0.05)  # nothing in the background either
-    assert client.notified == [] and not data.flights
+    assert client.notified == []
 
 
 async def test_long_reads_keep_the_lease_alive(decoder):

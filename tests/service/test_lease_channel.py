@@ -1,0 +1,181 @@
+"""LeaseChannel: ClaimLease and Notify as messages on one stream, against a real P server in-process.
+
+The channel must answer exactly what the unary calls answer (values and typed errors), keep
+going after a call's error, match answers to calls when many share a message, refuse bytes
+that do not parse or too many calls at once, and fall back to unary calls on a server
+without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+
+from kvsvc.client import AsyncClient
+from kvsvc.client.errors import error_from_status
+from kvsvc.client.lease_channel import LeaseChannel
+from kvsvc.config import MemoryMode, Role, load_config
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied
+from kvsvc.limits import MAX_LEASE_CALLS
+from kvsvc.service.server import RunningServer, create_server
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+METHOD = "/kvsvc.v1.KvTransferService/LeaseChannel"
+
+
+@pytest.fixture
+async def prefill() -> AsyncIterator[tuple[RunningServer, AsyncClient]]:
+    running, port = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, role=Role.PREFILL,
+                                                    memory=MemoryMode.DRAM))
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            yield running, client
+    finally:
+        await running.stop(0, drain_s=0)  # some tests leave a lease claimed on purpose
+
+
+def claim(pub: pb.PublishBlocksResponse, claim_id: str, **kw) -> pb.ClaimLeaseRequest:
+    p = pub.params
+    return pb.ClaimLeaseRequest(request_id=p.remote_request_id, lease_epoch=p.remote_epoch, engine_id="D",
+                                tp_size=1, lease_token=p.lease_token, claim_id=claim_id, **kw)
+
+
+def consumed(pub: pb.PublishBlocksResponse, claim_id: str) -> pb.NotifyRequest:
+    p = pub.params
+    return pb.NotifyRequest(request_id=p.remote_request_id, kind=pb.NOTIFY_KIND_CONSUMED, engine_id="D", tp_size=1,
+                            done_ranks=[0], lease_epoch=p.remote_epoch, lease_token=p.lease_token, claim_id=claim_id)
+
+
+async def test_answers_and_errors_match_the_unary_calls(prefill):
+    server, client = prefill
+    lane = client.lease_channel()
+    try:
+        a, b = await client.publish_blocks("a", [[1]]), await client.publish_blocks("b", [[2]])
+        granted = await lane.claim_lease(claim(a, "c" * 16))
+        assert 0 < granted.lease_remaining_ms <= 30_000
+        # The same refusals, typed the same way, through either path.
+        wrong_token = claim(b, "d" * 16)
+        wrong_token.lease_token = "not-the-token"
+        for call in (lane.claim_lease, client.claim_lease):
+            with pytest.raises(PermissionDenied) as e:
+                await call(wrong_token)
+            assert e.value.reason == "LEASE_TOKEN_MISMATCH" and e.value.metadata == {"request_id": "b"}
+        with pytest.raises(FailedPrecondition) as e:
+            await lane.claim_lease(claim(a, "e" * 16))  # another claimant of a claimed lease
+        assert e.value.reason == "LEASE_CLAIMED"
+        # The stream went on after the errors: the owner consumes.
+        done = await lane.notify(consumed(a, "c" * 16))
+        assert done.state == pb.LEASE_STATE_CONSUMED and not done.pending_ranks
+        assert server.node.leases.get("a") is None and server.node.leases.get("b") is not None
+        # A repeated notification answers the final state, as Notify does.
+        assert (await lane.notify(consumed(a, "c" * 16))).state == pb.LEASE_STATE_CONSUMED
+    finally:
+        await lane.close()
+
+
+async def test_many_calls_in_flight_are_matched_to_their_callers(prefill):
+    server, client = prefill
+    lane = client.lease_channel()
+    try:
+        pubs = [await client.publish_blocks(f"r{i}", [[i % 64]]) for i in range(200)]
+        # Every other lease is claimed with a bad token: answers must not be swapped.
+        reqs = []
+        for i, pub in enumerate(pubs):
+            req = claim(pub, f"claim-{i:012d}")
+            if i % 2:
+                req.lease_token = "x"
+            reqs.append(req)
+        outcomes = await asyncio.gather(*(lane.claim_lease(r) for r in reqs), return_exceptions=True)
+        for i, out in enumerate(outcomes):
+            if i % 2:
+                assert isinstance(out, PermissionDenied) and out.metadata["request_id"] == f"r{i}", out
+            else:
+                assert isinstance(out, pb.ClaimLeaseResponse), out
+        done = await asyncio.gather(*(lane.notify(consumed(pubs[i], f"claim-{i:012d}")) for i in range(0, 200, 2)))
+        assert all(d.state == pb.LEASE_STATE_CONSUMED for d in done)
+        assert server.node.leases.live_count == 100
+    finally:
+        await lane.close()
+
+
+async def test_a_call_without_a_body_is_refused_alone(prefill):
+    _, client = prefill
+    pub = await client.publish_blocks("a", [[1]])
+    call = client.channel.stream_stream(METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
+                                        response_deserializer=pb.LeaseChannelResponse.FromString)()
+    await call.write(pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=7), pb.LeaseCall(call_id=8, claim=claim(
+        pub, "c" * 16))]))
+    resp = await call.read()
+    first, second = resp.answers
+    assert first.call_id == 7 and first.WhichOneof("result") == "error_status"
+    decoded = error_from_status(status_pb2.Status.FromString(first.error_status))
+    assert isinstance(decoded, InvalidArgument) and decoded.reason == "MISSING_FIELD"
+    assert second.call_id == 8 and second.WhichOneof("result") == "claim"
+    call.cancel()
+
+
+@pytest.mark.parametrize("what", ["garbage", "too_many"])
+async def test_bad_messages_end_the_stream_with_invalid_argument(prefill, what):
+    server, client = prefill
+    if what == "garbage":
+        call = client.channel.stream_stream(METHOD)()  # raw bytes: no serializer
+        await call.write(b"\xff\xff\xff not a protobuf")
+        reason = "MALFORMED_REQUEST"
+    else:
+        call = client.channel.stream_stream(METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString)()
+        await call.write(pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=i) for i in range(MAX_LEASE_CALLS + 1)]))
+        reason = "FIELD_TOO_LARGE"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in e.value.details()
+    assert (await client.get_info()).engine_id == server.node.config.engine_id  # still serving
+
+
+async def test_a_server_without_lease_channel_gets_unary_calls():
+    """An older P server answers UNIMPLEMENTED: the channel says so once and goes unary."""
+    seen: list[str] = []
+
+    async def unary_claim(request, context):
+        seen.append("ClaimLease")
+        return pb.ClaimLeaseResponse(lease_remaining_ms=1234)
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvsvc.v1.KvTransferService", {
+        "ClaimLease": grpc.unary_unary_rpc_method_handler(
+            unary_claim, request_deserializer=pb.ClaimLeaseRequest.FromString,
+            response_serializer=pb.ClaimLeaseResponse.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            lane = LeaseChannel(client)
+            req = pb.ClaimLeaseRequest(request_id="r", claim_id="c" * 16)
+            assert (await lane.claim_lease(req)).lease_remaining_ms == 1234
+            assert (await lane.claim_lease(req)).lease_remaining_ms == 1234
+            assert seen == ["ClaimLease", "ClaimLease"]
+            await lane.close()
+    finally:
+        await server.stop(0)
+
+
+async def test_a_lost_server_is_unavailable_and_a_closed_channel_refuses():
+    running, port = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, role=Role.PREFILL,
+                                                    memory=MemoryMode.NONE))
+    async with AsyncClient(f"127.0.0.1:{port}") as client:
+        lane = client.lease_channel()
+        hb = pb.NotifyRequest(request_id="r", kind=pb.NOTIFY_KIND_HEARTBEAT, engine_id="D", tp_size=1,
+                              lease_epoch=running.node.epoch, lease_token="t", claim_id="c" * 16)
+        assert (await lane.notify(hb)).state == pb.LEASE_STATE_UNKNOWN
+        await running.stop(0)
+        with pytest.raises(KvsvcError) as e:
+            await lane.notify(hb, timeout_s=2)
+        assert e.value.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED)
+        await lane.close()
+        with pytest.raises(KvsvcError) as e:
+            await lane.notify(hb)
+        assert e.value.code is ErrorCode.UNAVAILABLE
