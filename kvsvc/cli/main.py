@@ -89,11 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=_demo)
 
-    b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side")
-    b.add_argument("--json", help="write the figures here")
-    b.add_argument("--runs", type=int, default=5)
-    b.add_argument("--blocks", type=int, default=256)
-    b.add_argument("--layers", type=int, default=4)
+    b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side: sizes, concurrency, "
+                       "cold vs warm")
+    from kvsvc.cli.bench import add_arguments
+
+    add_arguments(b)
     b.set_defaults(func=_bench)
     return ap
 

@@ -22,6 +22,7 @@ class Pool:
     """One rank's pool: a contiguous byte range the regions of build_pool_layout live in."""
 
     memory_kind = "DRAM"  # NIXL memory type
+    populate_s = 0.0  # time spent backing every page at start (pools kvsvc allocates itself)
     shm_name = ""
     device_id = 0
     cuda_ipc: tuple[Any, ...] | None = None  # torch's (device, handle, size, offset, refcount..., event...)

@@ -171,7 +171,8 @@ class Node:
             out.append(pb.PoolInfo(
                 tp_rank=rank, memory_kind=self.memory_kind(rank),
                 shm_name=pool.shm_name, size_bytes=pool.size_bytes, device_id=pool.device_id,
-                regions=self.region_table(rank), cuda_ipc=_cuda_ipc_to_proto(pool.cuda_ipc)))
+                regions=self.region_table(rank), cuda_ipc=_cuda_ipc_to_proto(pool.cuda_ipc),
+                populate_ms=int(pool.populate_s * 1000)))
         return out
 
     def info(self) -> pb.GetInfoResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -57,7 +58,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.node = node
         self.decoder = decoder
         self.siblings = siblings
-        self._lease_channels: set[asyncio.Task[Any]] = set()
+        self._lease_channels: dict[asyncio.Task[Any], grpc.aio.ServicerContext] = {}
         self._channels_closed = False
 
     @rpc_errors
@@ -134,7 +135,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         names = caller_names(context)
         task = asyncio.current_task()
         if task is not None:
-            self._lease_channels.add(task)
+            self._lease_channels[task] = context
         try:
             async for msg in request_iterator:
                 try:  # the stream cannot be trusted past a message that does not parse or is too big
@@ -146,7 +147,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 yield pb.LeaseChannelResponse(answers=[self._lease_call(call, names) for call in msg.calls])
         finally:
             if task is not None:
-                self._lease_channels.discard(task)
+                self._lease_channels.pop(task, None)
 
     def _lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
         which = call.WhichOneof("call")
@@ -165,13 +166,16 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         return pb.LeaseAnswer(call_id=call.call_id, error_status=to_status(err).SerializeToString())
 
     async def close_lease_channels(self) -> None:
-        """End every open LeaseChannel (at shutdown, once no lease is claimed any more)."""
+        """End every open LeaseChannel with SHUTTING_DOWN (at shutdown, once no lease is claimed
+        any more). The status is sent from here: a handler waiting for its next message does
+        not end the call by being cancelled, and the server would wait out its grace period."""
         self._channels_closed = True
-        tasks = list(self._lease_channels)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=2.0)
+        status = rpc_status.to_status(to_status(Unavailable("SHUTTING_DOWN", "this server is shutting down")))
+        for task, context in list(self._lease_channels.items()):
+            with contextlib.suppress(Exception):  # AbortError, or a call that already ended
+                await context.abort_with_status(status)
+            task.cancel()
+        self._lease_channels.clear()
 
     async def WatchReleases(
         self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext

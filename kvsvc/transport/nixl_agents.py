@@ -175,10 +175,13 @@ class NixlDataPlane:
     ) -> InFlight:
         """Post one READ of len(length) descriptors; the InFlight resolves with its duration."""
         ra = self.agents[local_rank]
+        # The descriptor arrays are built here, on the caller's thread: the NIXL thread then
+        # makes only NIXL calls (each of which lets go of the GIL), so a busy event loop
+        # delays the post less.
+        local = np.stack([local_addr, length, np.full_like(length, ra.pool.device_id)], axis=1).astype(np.uint64)
+        remote = np.stack([remote_addr, length, np.full_like(length, remote_device)], axis=1).astype(np.uint64)
 
         def make() -> Any:
-            local = np.stack([local_addr, length, np.full_like(length, ra.pool.device_id)], axis=1).astype(np.uint64)
-            remote = np.stack([remote_addr, length, np.full_like(length, remote_device)], axis=1).astype(np.uint64)
             ld = ra.agent.get_xfer_descs(local, ra.pool.memory_kind)
             rd = ra.agent.get_xfer_descs(remote, remote_memory)
             return ra.agent.initialize_xfer("READ", ld, rd, remote_name, notif)

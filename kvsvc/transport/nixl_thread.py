@@ -25,6 +25,9 @@ T = TypeVar("T")
 
 PROGRESS_MIN_SLEEP_S = 20e-6
 PROGRESS_MAX_SLEEP_S = 1e-3
+INFLIGHT_MAX_SLEEP_S = 200e-6
+"""With READs in flight the pump sleeps at most this long: UCX moves shared-memory bytes
+inside the progress call, so a long sleep is time the copy stands still."""
 _STOP = object()
 
 
@@ -127,6 +130,8 @@ class NixlThread:
         fl.handle = make_handle()
         fl.posted_at = time.perf_counter()
         state = fl.agent.transfer(fl.handle)
+        if state == "PROC":  # progress it once at once: a small READ is often done by then
+            state = fl.agent.check_xfer_state(fl.handle)
         if state == "ERR":
             self._finish(fl, TransferError("NIXL refused to post the transfer"))
         elif state == "DONE":
@@ -266,7 +271,7 @@ class NixlThread:
             if self._poll():
                 sleep = PROGRESS_MIN_SLEEP_S
             elif job is None:
-                sleep = min(sleep * 2, PROGRESS_MAX_SLEEP_S)
+                sleep = min(sleep * 2, INFLIGHT_MAX_SLEEP_S if self._inflight else PROGRESS_MAX_SLEEP_S)
 
     def _drain_for_stop(self, timeout_s: float = 5.0) -> None:
         end = time.monotonic() + timeout_s

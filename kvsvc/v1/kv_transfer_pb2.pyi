@@ -258,7 +258,7 @@ class RegionInfo(_message.Message):
     def __init__(self, region_index: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., group_index: _Optional[int] = ..., layer_name: _Optional[str] = ..., pool_offset_bytes: _Optional[int] = ..., base_address: _Optional[int] = ..., block_len_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "device_id", "regions", "cuda_ipc")
+    __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "device_id", "regions", "cuda_ipc", "populate_ms")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class PoolInfo(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    POPULATE_MS_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     memory_kind: MemoryKind
     shm_name: str
@@ -273,7 +274,8 @@ class PoolInfo(_message.Message):
     device_id: int
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
     cuda_ipc: CudaIpc
-    def __init__(self, tp_rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
+    populate_ms: int
+    def __init__(self, tp_rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., populate_ms: _Optional[int] = ...) -> None: ...
 
 class CudaIpc(_message.Message):
     __slots__ = ("handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

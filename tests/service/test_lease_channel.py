@@ -179,3 +179,19 @@ async def test_a_lost_server_is_unavailable_and_a_closed_channel_refuses():
         with pytest.raises(KvsvcError) as e:
             await lane.notify(hb)
         assert e.value.code is ErrorCode.UNAVAILABLE
+
+
+async def test_shutdown_ends_open_channels_with_shutting_down(prefill):
+    """Draining ends every open channel with a status (a stream left open would hold the
+    server's shutdown for its whole grace period), and refuses new ones."""
+    server, client = prefill
+    lane = client.lease_channel()
+    hb = pb.NotifyRequest(request_id="r", kind=pb.NOTIFY_KIND_HEARTBEAT, engine_id="D", tp_size=1,
+                          lease_epoch=server.node.epoch, lease_token="t", claim_id="c" * 16)
+    assert (await lane.notify(hb)).state == pb.LEASE_STATE_UNKNOWN
+    await server.servicer.close_lease_channels()
+    with pytest.raises(KvsvcError) as e:
+        await lane.notify(hb)
+    assert (e.value.code, e.value.reason) == (ErrorCode.UNAVAILABLE, "SHUTTING_DOWN")
+    assert not server.servicer._lease_channels
+    await lane.close()

@@ -1,0 +1,301 @@
+"""The benchmark run: two servers (started here, or given by address), then
+
+1. a sweep of request sizes (1 block up to --max-mib), blocks shuffled and contiguous:
+   kvsvc Transfer end to end and on the wire, raw NIXL on the same descriptors, memcpy;
+   CPU seconds per GB of the P and D servers;
+2. cold vs warm: a 2 MiB request into D blocks nothing wrote before, then again;
+3. 1-block requests with 1, 8, 32 in flight: percentiles and transfers per second;
+4. the floor: a bare gRPC round trip, and the servers' CPU when idle.
+
+Block ids are laid out so the parts never share D blocks: [0, largest) for the sweep,
+then the cold blocks, then the concurrency slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsvc.bench.measure import CpuMeter, Progress, cpu_seconds, gbps, ms
+from kvsvc.bench.paths import RawNixl, Samples, kvsvc_concurrent, kvsvc_sequential, memcpy_runs, rpc_round_trips
+from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client.attach import AttachedPool, attach_pool
+from kvsvc.codec import layout_from_proto
+from kvsvc.layout.build import simple_layout
+from kvsvc.layout.regions import build_pool_layout
+from kvsvc.mapping.planner import Side, plan_rank
+from kvsvc.service.prefill import HANDSHAKE_PROGRESS_S
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+MIB = 1 << 20
+COLD_MIB = 2
+COLD_TRIALS = 5
+CONCURRENCY_SLOTS = 64  # D blocks the in-flight requests rotate over (more than the most in flight)
+
+
+def bench_layout(layers: int, num_blocks: int) -> dict[str, Any]:
+    """GQA, 8 KV heads of 128, bf16, blocks of 16 tokens: 64 KiB per layer and block (K and V)."""
+    return {"model_id": "kvsvc-bench", "total_num_kv_heads": 8, "block_size": 16, "num_blocks": num_blocks,
+            "dtype": "bfloat16", "groups": [{"name": "full", "kind": "full_attention", "num_layers": layers,
+                                             "head_size": 128}]}
+
+
+def block_bytes_of(layers: int) -> int:
+    return 8 * 16 * 128 * 2 * 2 * layers
+
+
+def sizes_in_blocks(block_bytes: int, max_mib: float) -> list[int]:
+    """1 block, then 2, 16 and max_mib MiB worth of blocks (those not above max_mib)."""
+    wanted = [m for m in (COLD_MIB, 16, max_mib) if m <= max_mib]
+    return sorted({1, *(max(1, math.ceil(m * MIB / block_bytes)) for m in wanted)})
+
+
+@dataclass
+class Target:
+    """The two servers, their clients, attached pools (when this process may map them) and
+    the pids whose CPU is counted (servers started here)."""
+
+    pc: AsyncClient
+    dc: AsyncClient
+    p_info: pb.GetInfoResponse
+    d_info: pb.GetInfoResponse
+    pids: dict[str, int] = field(default_factory=dict)
+    p_pool: AttachedPool | None = None
+    d_pool: AttachedPool | None = None
+
+
+def client_options(args: argparse.Namespace) -> ClientOptions:
+    if not args.ca:
+        return ClientOptions()
+    return ClientOptions(tls_root_certs=Path(args.ca).read_bytes(),
+                         tls_client_cert=Path(args.cert).read_bytes() if args.cert else None,
+                         tls_client_key=Path(args.key).read_bytes() if args.key else None)
+
+
+def _attach(info: pb.GetInfoResponse) -> AttachedPool | None:
+    """The server's first pool mapped here, when it is shared memory on this host."""
+    if not info.pools or not info.pools[0].shm_name:
+        return None
+    try:
+        return attach_pool(info.pools[0])
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.asynccontextmanager
+async def target(args: argparse.Namespace, num_blocks: int) -> AsyncIterator[Target]:
+    from kvsvc.cli.procs import start_server
+
+    started = []
+    if args.prefill or args.decode:
+        if not (args.prefill and args.decode):
+            raise SystemExit("kvsvc bench: give both --prefill and --decode, or neither")
+        p_addr, d_addr = args.prefill, args.decode
+    else:
+        table = bench_layout(args.layers, num_blocks)
+        started = [start_server(engine_id="bench-prefill", role="prefill", tp_size=1, layout=table),
+                   start_server(engine_id="bench-decode", role="decode", tp_size=1, layout=table)]
+        p_addr, d_addr = started[0].address, started[1].address
+    opts = client_options(args)
+    try:
+        async with AsyncClient(p_addr, opts) as pc, AsyncClient(d_addr, opts) as dc:
+            t = Target(pc, dc, await pc.get_info(), await dc.get_info())
+            if started:
+                t.pids = {"prefill": started[0].proc.pid, "decode": started[1].proc.pid, "client": os.getpid()}
+            t.p_pool, t.d_pool = _attach(t.p_info), _attach(t.d_info)
+            try:
+                yield t
+            finally:
+                for pool in (t.p_pool, t.d_pool):
+                    if pool is not None:
+                        pool.close()
+    finally:
+        for sp in started:
+            sp.stop()
+
+
+def verified(t: Target, p_ids: list[int], d_ids: list[int]) -> bool | None:
+    """D's blocks equal P's, region by region; None when the pools cannot be mapped here."""
+    if t.p_pool is None or t.d_pool is None:
+        return None
+    regions = build_pool_layout(layout_from_proto(t.p_info.layout, tp_size=t.p_info.tp_size)).regions
+    return all(np.array_equal(t.d_pool.region(t.d_info.pools[0].regions[r.index])[d_ids],
+                              t.p_pool.region(t.p_info.pools[0].regions[r.index])[p_ids]) for r in regions)
+
+
+def _latency(s: Samples) -> dict[str, float]:
+    return {"transfer_p50_ms": ms(s.transfer, 50), "transfer_p99_ms": ms(s.transfer, 99),
+            "wire_p50_ms": ms(s.wire, 50), "wire_p99_ms": ms(s.wire, 99)}
+
+
+def _cpu_per_gb(cpu: dict[str, float], nbytes: int) -> dict[str, float]:
+    return {f"{name}_cpu_s_per_gb": sec / (nbytes / 1e9) for name, sec in cpu.items() if nbytes}
+
+
+async def size_point(t: Target, raw: RawNixl | None, n: int, pattern: str, p_ids: list[int], d_ids: list[int],
+                     runs: int) -> dict[str, Any]:
+    """Every path for one request size and block pattern; medians and percentiles."""
+    meter = CpuMeter(t.pids)
+    meter.start()
+    ks = await kvsvc_sequential(t.pc, t.dc, p_ids, d_ids, runs, f"{pattern}-{n}")
+    cpu = meter.stop()
+    row: dict[str, Any] = {"blocks": n, "pattern": pattern, "bytes": ks.nbytes, "descriptors": ks.descriptors,
+                           "verified": verified(t, p_ids, d_ids), **_latency(ks),
+                           **_cpu_per_gb(cpu, ks.nbytes * (runs + 1))}
+    med = statistics.median
+    row["kvsvc_transfer_gbps"] = gbps(ks.nbytes, med(ks.transfer))
+    row["kvsvc_wire_gbps"] = gbps(ks.nbytes, med(ks.wire))
+    if raw is not None:
+        times, raw_bytes = raw.run(p_ids, d_ids, runs)
+        row.update(raw_nixl_ms=1e3 * med(times), raw_nixl_gbps=gbps(raw_bytes, med(times)), raw_nixl_bytes=raw_bytes)
+    mem = memcpy_runs(ks.nbytes, runs)
+    row.update(memcpy_ms=1e3 * med(mem), memcpy_gbps=gbps(ks.nbytes, med(mem)))
+    return row
+
+
+async def cold_vs_warm(t: Target, first_block: int, n: int) -> dict[str, Any]:
+    """Wire time of a request into D blocks nothing wrote before, then of the same request again."""
+    cold: list[float] = []
+    warm: list[float] = []
+    for k in range(COLD_TRIALS):
+        d_ids = list(range(first_block + k * n, first_block + (k + 1) * n))
+        for label, into in (("cold", cold), ("warm", warm)):
+            s = await kvsvc_sequential(t.pc, t.dc, list(range(n)), d_ids, 1, f"{label}{k}", warmup=0)
+            into.extend(s.wire)
+    med = statistics.median
+    return {"blocks": n, "cold_wire_p50_ms": 1e3 * med(cold), "warm_wire_p50_ms": 1e3 * med(warm),
+            "cold_over_warm": med(cold) / med(warm) if med(warm) > 0 else 0.0}
+
+
+async def concurrency_point(t: Target, in_flight: int, requests: int, p_blocks: int, first_slot: int) -> dict[str, Any]:
+    meter = CpuMeter(t.pids)
+    meter.start()
+    s = await kvsvc_concurrent(t.pc, t.dc, requests, in_flight,
+                               lambda i: ([i % p_blocks], [first_slot + i % CONCURRENCY_SLOTS]), f"c{in_flight}")
+    cpu = meter.stop()
+    return {"in_flight": in_flight, "requests": requests, "transfers_per_s": requests / s.elapsed,
+            "gbps": gbps(s.nbytes, s.elapsed), **_latency(s), **_cpu_per_gb(cpu, s.nbytes)}
+
+
+def plan_128k_ms() -> tuple[float, int]:
+    """Plan one 128k-token request (8192 blocks of 16) over 61 MLA layers, P TP 4 -> D TP 1."""
+    d = Side.of(simple_layout(tp_size=1, mla=True, num_layers=61, num_blocks=8192, head_size=576), 1)
+    p = Side.of(simple_layout(tp_size=4, mla=True, num_layers=61, num_blocks=8192, head_size=576), 4)
+    ids = np.random.default_rng(0).permutation(8192)
+    t0 = time.perf_counter()
+    plan = plan_rank(d, p, 0, [ids], [np.arange(8192)])
+    return (time.perf_counter() - t0) * 1e3, plan.num_descriptors
+
+
+async def idle_cpu_percent(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """CPU use of idle servers: the progress pump must sleep when nothing is in flight."""
+    servers = {k: v for k, v in pids.items() if k != "client"}
+    before = {k: cpu_seconds(p) for k, p in servers.items()}
+    await asyncio.sleep(seconds)
+    return {k: 100 * (cpu_seconds(p) - before[k]) / seconds for k, p in servers.items()}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    block_bytes = block_bytes_of(args.layers)
+    sizes = sizes_in_blocks(block_bytes, args.max_mib)
+    largest, cold_n = sizes[-1], max(1, math.ceil(COLD_MIB * MIB / block_bytes))
+    cold_first = largest
+    slots_first = cold_first + COLD_TRIALS * cold_n
+    async with target(args, slots_first + CONCURRENCY_SLOTS) as t:
+        for side, info in (("prefill", t.p_info), ("decode", t.d_info)):
+            need = slots_first + CONCURRENCY_SLOTS if side == "decode" else largest
+            if info.layout.num_blocks < need:
+                raise SystemExit(f"kvsvc bench: the {side} server has {info.layout.num_blocks} blocks; this run "
+                                 f"needs {need} (lower --max-mib)")
+        progress = Progress(2 * len(sizes) + 1 + len(concurrency) + 2, args.quiet)
+        rng = np.random.default_rng(1)
+        if t.p_pool is not None:
+            t.p_pool.buffer[:] = rng.integers(0, 256, t.p_pool.buffer.size, dtype=np.uint8)
+        raw: RawNixl | None = None
+        raw_error = ""
+        try:
+            raw = RawNixl(t.pc, t.d_info.layout, t.d_info.tp_size, f"bench-raw-{os.getpid()}")
+            await raw.start()
+        except Exception as e:  # a remote P that does not accept this process as a peer
+            raw, raw_error = None, f"{type(e).__name__}: {e}"
+        points = []
+        try:
+            for n in sizes:
+                patterns = {
+                    # an allocator's free list after a while: no two blocks adjacent on both sides
+                    "shuffled": (rng.choice(largest, n, replace=False).tolist(),
+                                 rng.choice(largest, n, replace=False).tolist()),
+                    # a fresh allocator: one run per region after coalescing
+                    "contiguous": (list(range(n)), list(range(n))),
+                }
+                for pattern, (p_ids, d_ids) in patterns.items():
+                    row = await size_point(t, raw, n, pattern, p_ids, d_ids, args.runs)
+                    points.append(row)
+                    progress.step(f"{row['bytes'] / MIB:.2f} MiB {pattern}: kvsvc {row['kvsvc_transfer_gbps']:.2f} "
+                                  f"GB/s, raw NIXL {row.get('raw_nixl_gbps', 0):.2f} GB/s")
+        finally:
+            if raw is not None:
+                raw.close()
+        cold = await cold_vs_warm(t, cold_first, cold_n)
+        progress.step(f"cold vs warm: {cold['cold_over_warm']:.2f}")
+        conc = []
+        for c in concurrency:
+            row = await concurrency_point(t, c, args.requests if c > 1 else max(50, args.requests // 2), largest,
+                                          slots_first)
+            conc.append(row)
+            progress.step(f"{c} in flight: {row['transfers_per_s']:.0f} transfers/s, p99 "
+                          f"{row['transfer_p99_ms']:.2f} ms")
+        rtt = await rpc_round_trips(t.dc, 200)
+        progress.step(f"gRPC round trip p50 {ms(rtt, 50):.3f} ms")
+        transports = list((await t.dc.get_info()).transport.ucx_transports)
+        idle: dict[str, float] = {}
+        if t.pids:
+            await asyncio.sleep(HANDSHAKE_PROGRESS_S)  # past P's post-handshake progress window
+            idle = await idle_cpu_percent(t.pids, 2.0)
+        progress.step("idle CPU")
+    return summarise(points, cold, conc, ms(rtt, 50), transports, idle, raw_error, args)
+
+
+def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dict[str, Any]], rtt_ms: float,
+              transports: list[str], idle: dict[str, float], raw_error: str, args: argparse.Namespace
+              ) -> dict[str, Any]:
+    """The headline figures (stable JSON keys) over the detailed rows."""
+    largest = max(p["blocks"] for p in points)
+    big = {p["pattern"]: p for p in points if p["blocks"] == largest}
+    one = next((c for c in conc if c["in_flight"] == 1), None)
+    many = max(conc, key=lambda c: c["in_flight"]) if conc else None
+    single = next(p for p in points if p["blocks"] == 1 and p["pattern"] == "shuffled")
+    ratio = {f"kvsvc_over_raw_nixl_{k}": (v["kvsvc_transfer_gbps"] / v["raw_nixl_gbps"]) if v.get("raw_nixl_gbps")
+             else None for k, v in big.items()}
+    plan_ms, plan_desc = plan_128k_ms()
+    checks = [p["verified"] for p in points if p["verified"] is not None]
+    shuffled = big["shuffled"]
+    return {
+        # headline, largest request, shuffled blocks (the keys earlier versions wrote)
+        "bytes_per_transfer": shuffled["bytes"], "descriptors_per_transfer": shuffled["descriptors"],
+        "kvsvc_transfer_gbps": shuffled["kvsvc_transfer_gbps"], "kvsvc_wire_gbps": shuffled["kvsvc_wire_gbps"],
+        "raw_nixl_gbps": shuffled.get("raw_nixl_gbps"), "memcpy_gbps": shuffled["memcpy_gbps"], **ratio,
+        "overhead_p50_ms": (one or single)["transfer_p50_ms"] - (one or single)["wire_p50_ms"],
+        "transfers_per_s": many["transfers_per_s"] if many else None,
+        "transfers_per_s_in_flight": many["in_flight"] if many else None,
+        "cold_over_warm": cold["cold_over_warm"],
+        "grpc_round_trip_p50_ms": rtt_ms,
+        "verified": all(checks) if checks else None,
+        "idle_cpu_percent_prefill": idle.get("prefill"), "idle_cpu_percent_decode": idle.get("decode"),
+        "plan_128k_tokens_61_layers_ms": plan_ms, "plan_128k_descriptors": plan_desc,
+        "ucx_transports": transports, "raw_nixl_error": raw_error,
+        "layers": args.layers, "runs": args.runs, "max_mib": args.max_mib,
+        "sizes": points, "cold": cold, "concurrency": conc,
+    }
