@@ -33,6 +33,7 @@ def draw(res: dict[str, Any], out_dir: str) -> list[Path]:
             if all(y is not None for y in ys):
                 ax.plot(sizes, ys, marker="o", label=label)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # memcpy and a 1-block Transfer are two orders of magnitude apart
         ax.set_xlabel("request size (MiB)")
         ax.set_ylabel("GB/s")
         ax.set_title(f"bandwidth, {pattern} blocks")

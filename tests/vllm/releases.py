@@ -25,7 +25,7 @@ class Releases:
         self.addresses = sorted(set(addresses))
         self.events: list[tuple[str, str, str]] = []  # (server, request id, reason)
         self._loop = LoopThread("releases")
-        self._tasks = self._loop.run(self._subscribe(), 10)
+        self._tasks = self._loop.run(self._subscribe(), 30)  # engines busy on two cores can be slow to answer
 
     async def _subscribe(self) -> list[asyncio.Task[None]]:
         self._clients = [AsyncClient(a) for a in self.addresses]
