@@ -33,6 +33,9 @@ MAX_NUM_TOKENS = MAX_BLOCK_IDS * MAX_DIM
 """Longest request, tokens (every block id of a request at the largest block size)."""
 MAX_WAIT_MS = 60_000
 """Longest WaitTransfer wait."""
+MAX_LIST_LEASES = 10_000
+"""Most leases one ListLeases answer lists."""
+DEFAULT_LIST_LEASES = 1000
 MAX_LEASE_CALLS = 1024
 """Most calls in one LeaseChannel message."""
 MIN_CLAIM_ID_BYTES = 16

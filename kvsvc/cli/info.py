@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
+
 from kvsvc.client import Client, ClientOptions
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -42,7 +44,8 @@ def format_info(info: pb.GetInfoResponse) -> str:
     return "\n".join(lines)
 
 
-def print_info(address: str, timeout_s: float = 5.0) -> int:
-    with Client(address, ClientOptions(timeout_s=timeout_s, retries=1)) as c:
-        print(format_info(c.get_info()))
+def print_info(address: str, options: ClientOptions | None = None, as_json: bool = False) -> int:
+    with Client(address, options or ClientOptions(timeout_s=5.0, retries=1)) as c:
+        info = c.get_info()
+    print(json_format.MessageToJson(info, preserving_proto_field_name=True) if as_json else format_info(info))
     return 0

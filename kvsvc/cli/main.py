@@ -1,10 +1,14 @@
-"""`kvsvc serve | info | demo | bench`: the command line."""
+"""`kvsvc serve | info | leases | demo | bench`: the command line."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvsvc.client import ClientOptions
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -29,7 +33,38 @@ def _serve(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from kvsvc.cli.info import print_info
 
-    return print_info(args.address, timeout_s=args.timeout)
+    return print_info(args.address, _client_options(args), as_json=args.json)
+
+
+def _leases(args: argparse.Namespace) -> int:
+    from kvsvc.cli.leases import print_leases
+
+    return print_leases(args.address, _client_options(args), limit=args.limit, prefix=args.prefix,
+                        as_json=args.json)
+
+
+def _connection_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (proto field names) instead of text")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.add_argument("--ca", help="PEM roots: speak TLS to the server")
+    p.add_argument("--cert", help="PEM client certificate (mTLS)")
+    p.add_argument("--key", help="PEM client key (mTLS)")
+    p.add_argument("--server-name", help="name the server's certificate carries, if not the address's host")
+
+
+def _client_options(args: argparse.Namespace) -> ClientOptions:
+    from pathlib import Path
+
+    from kvsvc.client import ClientOptions
+
+    if (args.cert or args.key) and not args.ca:
+        raise SystemExit("kvsvc: --cert and --key go with --ca (TLS)")
+    if not args.ca:
+        return ClientOptions(timeout_s=args.timeout, retries=1)
+    return ClientOptions(timeout_s=args.timeout, retries=1, tls_root_certs=Path(args.ca).read_bytes(),
+                         tls_client_cert=Path(args.cert).read_bytes() if args.cert else None,
+                         tls_client_key=Path(args.key).read_bytes() if args.key else None,
+                         tls_server_name=args.server_name)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -63,10 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "here leases the request on them too)")
     s.set_defaults(func=_serve)
 
-    i = sub.add_parser("info", help="print a server's GetInfo readably")
+    i = sub.add_parser("info", help="print a server's GetInfo readably (--json: as JSON)")
     i.add_argument("address", nargs="?", default="127.0.0.1:50051")
-    i.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    _connection_arguments(i)
     i.set_defaults(func=_info)
+
+    ls = sub.add_parser("leases", help="list a server's live leases, peers and running transfers (read only)")
+    ls.add_argument("address", nargs="?", default="127.0.0.1:50051")
+    ls.add_argument("--limit", type=int, default=0, help="at most this many leases (default 1000)")
+    ls.add_argument("--prefix", default="", help="only request ids starting with this")
+    _connection_arguments(ls)
+    ls.set_defaults(func=_leases)
 
     d = sub.add_parser("demo", help="a real P->D transfer between two server processes on loopback")
     d.add_argument("--prefill-tp", type=int, default=2)

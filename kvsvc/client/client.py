@@ -176,6 +176,12 @@ class AsyncClient:
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
         return await self._call(self._stub.Notify, request, timeout_s)  # type: ignore[no-any-return]
 
+    async def list_leases(self, *, limit: int = 0, request_id_prefix: str = "",
+                          timeout_s: float | None = None) -> pb.ListLeasesResponse:
+        """The server's live leases (soonest to expire first), peers and running transfers; read only."""
+        req = pb.ListLeasesRequest(limit=limit, request_id_prefix=request_id_prefix)
+        return await self._call(self._stub.ListLeases, req, timeout_s)  # type: ignore[no-any-return]
+
     def lease_channel(self) -> LeaseChannel:
         """ClaimLease and Notify over one LeaseChannel stream (what a D server uses for its
         peers): .claim_lease() / .notify() as here, .close() when done."""
@@ -274,6 +280,10 @@ class Client:
 
     def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
         return self._runner.run(self._async.notify(request, **kw))
+
+    def list_leases(self, **kw: Any) -> pb.ListLeasesResponse:
+        """The blocking twin of AsyncClient.list_leases(limit=, request_id_prefix=, timeout_s=)."""
+        return self._runner.run(self._async.list_leases(**kw))
 
     def lease_channel(self) -> SyncLeaseChannel:
         """The blocking twin of AsyncClient.lease_channel()."""

@@ -142,6 +142,11 @@ class LeaseChannel:
     def address(self) -> str:
         return self._client.address
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a stream is open now (it opens on the first call, and again after a break)."""
+        return self._stream is not None and not self._stream.ended
+
     async def claim_lease(self, request: pb.ClaimLeaseRequest, *,
                           timeout_s: float | None = None) -> pb.ClaimLeaseResponse:
         if self._unary:

@@ -75,6 +75,7 @@ class Lease:
     tracker: ReleaseTracker | None = None
     claims: dict[str, Claim] = field(default_factory=dict)
     released_unix_ms: int = 0
+    published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +292,18 @@ class LeaseTable:
     @property
     def live_count(self) -> int:
         return len(self._live)
+
+    @property
+    def claimed_count(self) -> int:
+        return self._claimed
+
+    def listing(self, limit: int, prefix: str = "") -> list[Lease]:
+        """Live leases, soonest to expire first, at most limit; reads only (nothing is extended,
+        and one past its deadline that the reaper has not reached yet is left out)."""
+        now = time.monotonic()
+        alive = (lease for lease in self._live.values()
+                 if lease.request_id.startswith(prefix) and lease.expires_at > now)
+        return heapq.nsmallest(limit, alive, key=lambda lease: lease.expires_at)
 
     def subscribe(self) -> Subscription:
         """Releases from this moment on (registered before this returns), until close()."""

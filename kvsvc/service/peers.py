@@ -191,6 +191,10 @@ class PeerCache:
     def cached(self) -> int:
         return len(self._peers)
 
+    def listing(self) -> list[Peer]:
+        """The handshaken peers in use now (retired ones are on their way out)."""
+        return sorted(self._peers.values(), key=lambda p: p.address)
+
     async def side_of(self, address: str) -> Side:
         """A remote engine's layout and TP, for planning only: no NIXL wiring, no data plane needed."""
         peer = self._peers.get(address)

@@ -31,6 +31,7 @@ from kvsvc.service import prefill
 from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, rpc_errors, to_status
+from kvsvc.service.inspect import list_leases
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -164,6 +165,12 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             log.exception("LeaseChannel %s crashed", which)
             err = KvsvcError("INTERNAL", f"internal error in LeaseChannel {which}: {type(e).__name__}: {e}")
         return pb.LeaseAnswer(call_id=call.call_id, error_status=to_status(err).SerializeToString())
+
+    @rpc_errors
+    async def ListLeases(self, request: pb.ListLeasesRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListLeasesResponse:
+        require_engine(self.node, caller_names(context), "list leases")
+        return list_leases(self.node, self.decoder, request)
 
     async def close_lease_channels(self) -> None:
         """End every open LeaseChannel with SHUTTING_DOWN (at shutdown, once no lease is claimed

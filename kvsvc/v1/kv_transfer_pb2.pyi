@@ -721,3 +721,65 @@ class LeaseAnswer(_message.Message):
     notify: NotifyResponse
     error_status: bytes
     def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseResponse, _Mapping]] = ..., notify: _Optional[_Union[NotifyResponse, _Mapping]] = ..., error_status: _Optional[bytes] = ...) -> None: ...
+
+class ListLeasesRequest(_message.Message):
+    __slots__ = ("limit", "request_id_prefix")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    request_id_prefix: str
+    def __init__(self, limit: _Optional[int] = ..., request_id_prefix: _Optional[str] = ...) -> None: ...
+
+class LeaseInfo(_message.Message):
+    __slots__ = ("request_id", "state", "published_unix_ms", "expires_unix_ms", "remaining_ms", "num_blocks", "claimed_by_engine_id", "claimed_by_tp_size", "num_claims", "pending_d_ranks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_D_RANKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: LeaseState
+    published_unix_ms: int
+    expires_unix_ms: int
+    remaining_ms: int
+    num_blocks: int
+    claimed_by_engine_id: str
+    claimed_by_tp_size: int
+    num_claims: int
+    pending_d_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., published_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., num_blocks: _Optional[int] = ..., claimed_by_engine_id: _Optional[str] = ..., claimed_by_tp_size: _Optional[int] = ..., num_claims: _Optional[int] = ..., pending_d_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("address", "engine_id", "epoch", "tp_size", "transfers_using", "lease_channel_open")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_USING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CHANNEL_OPEN_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    engine_id: str
+    epoch: int
+    tp_size: int
+    transfers_using: int
+    lease_channel_open: bool
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., transfers_using: _Optional[int] = ..., lease_channel_open: _Optional[bool] = ...) -> None: ...
+
+class ListLeasesResponse(_message.Message):
+    __slots__ = ("leases", "live_leases", "claimed_leases", "peers", "running_transfers")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
+    live_leases: int
+    claimed_leases: int
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    running_transfers: int
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., live_leases: _Optional[int] = ..., claimed_leases: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., running_transfers: _Optional[int] = ...) -> None: ...

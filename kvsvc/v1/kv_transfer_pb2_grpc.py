@@ -87,6 +87,11 @@ class KvTransferServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.FromString,
                 _registered_method=True)
+        self.ListLeases = channel.unary_unary(
+                '/kvsvc.v1.KvTransferService/ListLeases',
+                request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -179,6 +184,15 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLeases(self, request, context):
+        """For operators (the engine's identity under mTLS): the live leases this server holds,
+        the P servers it reads from and its running transfers. Read only: listing extends
+        no lease and changes nothing. Lease tokens and claim ids are never shown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +245,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.LeaseChannel,
                     request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.SerializeToString,
+            ),
+            'ListLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLeases,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -506,6 +525,33 @@ class KvTransferService:
             '/kvsvc.v1.KvTransferService/LeaseChannel',
             kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.KvTransferService/ListLeases',
+            kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,
