@@ -97,6 +97,9 @@ class ServerConfig:
     peer_tls_ca_file: str = ""
     """PEM roots to verify peer servers with; set: peers are dialed over TLS (presenting this
     server's certificate when it has one)."""
+    metrics_listen: str = ""
+    """host:port to serve Prometheus metrics on (/metrics, plain HTTP; port 0 picks one);
+    empty: no metrics endpoint."""
 
     def device_of(self, rank: int) -> int:
         """The CUDA device of hosted rank `rank`'s VRAM pool."""
@@ -146,7 +149,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
                                   f"{sorted(_SERVER_KEYS)}", {"unknown": ",".join(unknown)})
         kw: dict[str, Any] = {}
         for key in ("listen", "engine_id", "advertised_address", "tls_cert_file", "tls_key_file",
-                    "tls_client_ca_file", "peer_tls_ca_file"):
+                    "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen"):
             if key in srv:
                 kw[key] = str(srv[key])
         for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases"):

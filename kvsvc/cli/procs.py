@@ -98,6 +98,7 @@ def start_server(
         line = proc.stdout.readline()
         if not line:
             proc.wait()
+            proc.stdout.close()
             raise RuntimeError(f"kvsvc serve exited ({proc.returncode}) before listening:\n{''.join(out)}")
         out.append(line)
         m = _LISTENING.search(line)
@@ -105,6 +106,8 @@ def start_server(
             break
         if time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
+            proc.stdout.close()
             raise RuntimeError(f"kvsvc serve did not start in {timeout_s} s:\n{''.join(out)}")
     sp = ServerProcess(proc, m.group(1), out)
 

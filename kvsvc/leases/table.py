@@ -125,6 +125,7 @@ class LeaseTable:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
     on_claim_change: Callable[[int], None] = lambda delta: None
+    on_release: Callable[[LeaseState], None] = lambda reason: None
     max_live: int = 65_536
     dcp_size: int = 1
     _live: dict[str, Lease] = field(default_factory=dict)
@@ -357,6 +358,7 @@ class LeaseTable:
         log.info("released %s: %s%s", lease.request_id, reason.value, "" if announce else " (withdrawn)")
         if not announce:  # never handed out: the engine hears of it from its failed publish
             return
+        self.on_release(reason)
         ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms)
         for w in self._watchers:
             w.put_nowait(ev)

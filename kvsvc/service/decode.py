@@ -179,7 +179,7 @@ class Decoder:
                                    f"{clip(req.params.remote_engine_id, 64)!r} (not in allowed_peers)",
                                    {"engine_id": req.params.remote_engine_id})
         deadline = _deadline(time_remaining_s)
-        job = self.jobs.start_or_join(req.request_id, fingerprint(req), lambda: self._run(req, deadline))
+        job = self.jobs.start_or_join(req.request_id, fingerprint(req), lambda: self._measured(req, deadline))
         assert job.task is not None
         job.waiters += 1
         try:
@@ -206,6 +206,22 @@ class Decoder:
         if req.wait_ms > MAX_WAIT_MS:
             raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
         return await self.jobs.wait(req.request_id, req.wait_ms / 1000)
+
+    async def _measured(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
+        """One job, counted once (retries that join it are not) by outcome and reason."""
+        started = time.perf_counter()
+        peer_engine = req.params.remote_engine_id
+        try:
+            resp = await self._run(req, deadline)
+        except BaseException as e:
+            reason = e.reason if isinstance(e, KvsvcError) else (
+                "CANCELLED" if isinstance(e, asyncio.CancelledError) else "INTERNAL")
+            self.node.metrics.transfer_failed(peer_engine, reason)
+            raise
+        self.node.metrics.transfer_ok(peer_engine, time.perf_counter() - started, resp.total_bytes,
+                                      sum(r.num_descriptors for r in resp.ranks),
+                                      max((r.duration_us for r in resp.ranks), default=0) / 1e6)
+        return resp
 
     async def _run(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
         p, node = req.params, self.node
@@ -272,6 +288,13 @@ class Decoder:
         # the last byte arrived). A refused claim fails the transfer once its READs settled;
         # what they wrote into this request's own blocks is reported invalid.
         claimed = asyncio.ensure_future(claim_all(legs, own, self._rpc_timeout(deadline)))
+        claim_sent = time.perf_counter()
+
+        def claim_answered(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.node.metrics.lease_call("claim", time.perf_counter() - claim_sent)
+
+        claimed.add_done_callback(claim_answered)
         keepers: list[asyncio.Future[None]] = []
         try:
             for t, (rr, la, ra, ln) in reads:
@@ -302,7 +325,9 @@ class Decoder:
             if any(leg.clock is not None and leg.clock.expired for leg in legs):
                 raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                          {"request_id": p.remote_request_id})
+            confirm_sent = time.perf_counter()
             await confirm_all(legs, own, self._rpc_timeout(deadline))
+            self.node.metrics.lease_call("confirm", time.perf_counter() - confirm_sent)
         except BaseException as e:
             # A cancelled or lost claim may have gone through: abort it like any failure. A
             # refused one is P's answer to pass on (it explains a READ that failed alongside,
@@ -318,7 +343,8 @@ class Decoder:
         finally:
             for k in keepers:
                 k.cancel()
-        marks.append(("notify", time.perf_counter()))
+        marks.append(("confirm", time.perf_counter()))
+        self.node.metrics.phases(marks, started)
         if log.isEnabledFor(logging.DEBUG):
             prev, phases = started, []
             for name, at in marks:

@@ -16,6 +16,7 @@ from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
 from kvsvc.memory.pools import CudaPool, ExternalPool, Pool, RegionBuffersPool, ShmPool, shm_name_for
+from kvsvc.service.metrics import Metrics
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -53,8 +54,10 @@ class Node:
         self.pools: dict[int, Pool] = {}
         self.data: NixlDataPlane | None = None
         self.data_error = ""
+        self.metrics = Metrics(config.engine_id)
         self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
                                  config.max_lease_ttl_s, on_claim_change=self._claims_changed,
+                                 on_release=lambda reason: self.metrics.released(reason.value),
                                  max_live=config.max_live_leases, dcp_size=self.layout.dcp_size)
         self._closed = False
         self.health_tasks: set[asyncio.Future[None]] = set()

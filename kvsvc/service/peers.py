@@ -124,10 +124,16 @@ class PeerCache:
                     if await self._epoch_of(peer.client) == peer.epoch:
                         raise self._remember_stale(address, want_epoch, peer)
                     log.info("peer %s restarted (epoch %d -> new): re-handshaking", address, peer.epoch)
+                    self._node.metrics.rehandshake()
                     self._retire(peer)
                     peer = None
                 if peer is None:
-                    peer = await self._handshake(address, expected_engine_id)
+                    try:
+                        peer = await self._handshake(address, expected_engine_id)
+                    except Exception:
+                        self._node.metrics.handshake(expected_engine_id, ok=False)
+                        raise
+                    self._node.metrics.handshake(peer.engine_id, ok=True)
                     self._peers[address] = peer
                 if expected_engine_id and peer.engine_id != expected_engine_id:
                     raise FailedPrecondition("UNKNOWN_ENGINE", f"{address} hosts engine {peer.engine_id!r}, not "

@@ -49,6 +49,7 @@ class RunningServer:
     decoder: Decoder
     siblings: Siblings
     servicer: KvTransferServicer
+    metrics_address: str = ""
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
@@ -65,6 +66,7 @@ class RunningServer:
         await self.decoder.close()  # 4. transfers settle, peer channels close
         await self.siblings.close()
         await self.node.close()  # 5. leases, agents and pools go last, after no RPC can use them
+        self.node.metrics.close()
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -129,7 +131,25 @@ async def create_server(
                     "transfer and read pool metadata (leases stay guarded by their tokens). Use this only on a "
                     "trusted network, or set tls_cert_file and tls_client_ca_file.", host, port)
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
-    return RunningServer(server, port, node, health_servicer, decoder, siblings, servicer), port
+    running = RunningServer(server, port, node, health_servicer, decoder, siblings, servicer)
+    _add_gauges(running)
+    if config.metrics_listen:
+        try:
+            running.metrics_address = node.metrics.serve(config.metrics_listen)
+        except OSError as e:
+            await running.stop(0, drain_s=0)
+            raise FailedPrecondition("ADDRESS_IN_USE", f"cannot serve metrics on {config.metrics_listen}: {e}",
+                                     {"metrics_listen": config.metrics_listen}) from e
+    return running, port
+
+
+def _add_gauges(running: RunningServer) -> None:
+    m, node, decoder = running.node.metrics, running.node, running.decoder
+    m.gauge("kvsvc_live_leases", "Leases this P server holds (offered or claimed)", lambda: node.leases.live_count)
+    m.gauge("kvsvc_claimed_leases", "Leases claimed by a D server (READs may be in flight)",
+            lambda: node.leases.claimed_count)
+    m.gauge("kvsvc_peers", "P servers this D server has handshaken with", lambda: decoder.peers.cached)
+    m.gauge("kvsvc_running_transfers", "Transfers running on this D server", lambda: decoder.jobs.running)
 
 
 def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:
@@ -142,6 +162,8 @@ def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     running, _ = await create_server(config)
+    if running.metrics_address:  # before the line that says the server is ready
+        print(f"kvsvc metrics on http://{running.metrics_address}/metrics", flush=True)
     print(f"kvsvc listening on {running.node.address} (engine {config.engine_id}, TP ranks "
           f"{list(config.ranks)}/{config.tp_size})", flush=True)
     stop = asyncio.Event()

@@ -1,0 +1,100 @@
+"""Prometheus metrics of real P and D servers, scraped over HTTP after real transfers and failures."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvsvc.cli.procs import ServerProcess, start_server
+from kvsvc.client import AsyncClient
+from kvsvc.errors import FailedPrecondition
+from tests.e2e.harness import layout_table
+
+LAYOUT = layout_table(k=4)
+
+
+def metrics_url(sp: ServerProcess) -> str:
+    for line in sp.output:
+        m = re.search(r"kvsvc metrics on (http://\S+/metrics)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"no metrics address printed:\n{''.join(sp.output)}")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """sample name and sorted labels -> value, from the Prometheus text format."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, (key, sorted(k for k in samples if k[0] == name))
+    return samples[key]
+
+
+def start(engine: str, role: str, tmp_path) -> ServerProcess:
+    cfg = tmp_path / f"{engine}.toml"
+    cfg.write_text('[server]\nmetrics_listen = "127.0.0.1:0"\n')
+    return start_server(engine_id=engine, role=role, tp_size=1, layout=LAYOUT, config_file=str(cfg))
+
+
+async def test_metrics_after_transfers_and_failures(tmp_path):
+    p, d = start("m-p", "prefill", tmp_path), start("m-d", "decode", tmp_path)
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+            moved = 0
+            for i in range(3):
+                pub = await pc.publish_blocks(f"ok{i}", [[1 + i, 5 + i]])
+                moved += (await dc.transfer(f"d-ok{i}", pub.params, [[10 + i, 20 + i]])).total_bytes
+            short = await pc.publish_blocks("short", [[9]], lease_ttl_ms=200)
+            await asyncio.sleep(0.6)
+            with pytest.raises(FailedPrecondition):
+                await dc.transfer("d-short", short.params, [[30]])
+            await pc.publish_blocks("waiting", [[25]])
+
+        ds = scrape(metrics_url(d))
+        assert value(ds, "kvsvc_transfers_total", engine="m-d", peer_engine="m-p", outcome="ok", reason="") == 3
+        assert value(ds, "kvsvc_transfers_total", engine="m-d", peer_engine="m-p", outcome="failed",
+                     reason="LEASE_EXPIRED") == 1
+        assert value(ds, "kvsvc_transfer_bytes_total", engine="m-d", peer_engine="m-p") == moved > 0
+        assert value(ds, "kvsvc_transfer_seconds_count", engine="m-d", peer_engine="m-p") == 3
+        assert value(ds, "kvsvc_transfer_wire_seconds_count", engine="m-d") == 3
+        for phase in ("plan", "post", "reads", "confirm"):
+            assert value(ds, "kvsvc_transfer_phase_seconds_count", engine="m-d", phase=phase) == 3
+        assert value(ds, "kvsvc_lease_call_seconds_count", engine="m-d", call="confirm") == 3
+        assert value(ds, "kvsvc_lease_call_seconds_count", engine="m-d", call="claim") == 3
+        assert value(ds, "kvsvc_handshakes_total", engine="m-d", peer_engine="m-p", outcome="ok") == 1
+        assert value(ds, "kvsvc_peers", engine="m-d") == 1
+        assert value(ds, "kvsvc_running_transfers", engine="m-d") == 0
+
+        ps = scrape(metrics_url(p))
+        assert value(ps, "kvsvc_lease_releases_total", engine="m-p", reason="consumed") == 3
+        assert value(ps, "kvsvc_lease_releases_total", engine="m-p", reason="expired") == 1
+        assert value(ps, "kvsvc_live_leases", engine="m-p") == 1
+        assert value(ps, "kvsvc_claimed_leases", engine="m-p") == 0
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_metrics_address_in_use_fails_at_start(tmp_path):
+    d = start("m-busy", "decode", tmp_path)
+    try:
+        taken = metrics_url(d).removeprefix("http://").removesuffix("/metrics")
+        cfg = tmp_path / "clash.toml"
+        cfg.write_text(f'[server]\nmetrics_listen = "{taken}"\n')
+        with pytest.raises(RuntimeError) as e:
+            start_server(engine_id="m-clash", role="decode", tp_size=1, layout=LAYOUT, config_file=str(cfg))
+        assert "ADDRESS_IN_USE" in str(e.value) and "Traceback" not in str(e.value)
+    finally:
+        d.stop()
