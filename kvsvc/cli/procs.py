@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-_LISTENING = re.compile(r"kvsvc listening on (\S+)")
+_LISTENING = re.compile(r"kvsvc listening on ([^\s,]+)")
 
 
 @dataclass

@@ -164,7 +164,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     running, _ = await create_server(config)
     if running.metrics_address:  # before the line that says the server is ready
         print(f"kvsvc metrics on http://{running.metrics_address}/metrics", flush=True)
-    print(f"kvsvc listening on {running.node.address} (engine {config.engine_id}, TP ranks "
+    bound = f"{config.listen.rsplit(':', 1)[0]}:{running.port}"
+    advertised = f", advertised to peers as {running.node.address}" if running.node.address != bound else ""
+    print(f"kvsvc listening on {bound}{advertised} (engine {config.engine_id}, TP ranks "
           f"{list(config.ranks)}/{config.tp_size})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -63,3 +63,16 @@ def test_leases_under_mutual_tls(tmp_path):
         assert missing_ca.returncode != 0 and "--ca" in missing_ca.stderr
     finally:
         p.stop()
+
+
+def test_serve_prints_bound_and_advertised_addresses(tmp_path):
+    cfg = tmp_path / "adv.toml"
+    cfg.write_text('[server]\nadvertised_address = "10.9.8.7:4321"\nmemory = "none"\n')
+    sp = start_server(engine_id="adv", role="decode", tp_size=1, layout=LAYOUT, config_file=str(cfg))
+    try:
+        line = next(x for x in sp.output if "kvsvc listening on" in x)
+        assert f"kvsvc listening on {sp.address}, advertised to peers as 10.9.8.7:4321" in line
+        info = kvsvc("info", sp.address, "--json")
+        assert json.loads(info.stdout)["advertised_address"] == "10.9.8.7:4321"
+    finally:
+        sp.stop()
