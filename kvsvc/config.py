@@ -97,6 +97,9 @@ class ServerConfig:
     peer_tls_ca_file: str = ""
     """PEM roots to verify peer servers with; set: peers are dialed over TLS (presenting this
     server's certificate when it has one)."""
+    otlp_endpoint: str = ""
+    """`kvsvc serve` exports trace spans over OTLP/gRPC to this collector (e.g.
+    http://localhost:4317; needs opentelemetry-exporter-otlp-proto-grpc); empty: none."""
     metrics_listen: str = ""
     """host:port to serve Prometheus metrics on (/metrics, plain HTTP; port 0 picks one);
     empty: no metrics endpoint."""
@@ -149,7 +152,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
                                   f"{sorted(_SERVER_KEYS)}", {"unknown": ",".join(unknown)})
         kw: dict[str, Any] = {}
         for key in ("listen", "engine_id", "advertised_address", "tls_cert_file", "tls_key_file",
-                    "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen"):
+                    "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen", "otlp_endpoint"):
             if key in srv:
                 kw[key] = str(srv[key])
         for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases"):

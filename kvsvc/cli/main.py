@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
         role=Role(args.role) if args.role else None, tp_size=args.tp_size,
         ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
         memory=MemoryMode(args.memory) if args.memory else None,
-        advertised_address=args.advertise, metrics_listen=args.metrics_listen,
+        advertised_address=args.advertise, metrics_listen=args.metrics_listen, otlp_endpoint=args.otlp_endpoint,
         sibling_servers=tuple(a for a in args.siblings.split(",") if a) if args.siblings else None,
         layout_table=json.loads(args.layout_json) if args.layout_json else None,
     )
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", help="host:port to bind (port 0: any free port)")
     s.add_argument("--advertise", help="address peers should dial")
     s.add_argument("--metrics-listen", help="host:port to serve Prometheus /metrics on (port 0: any free port)")
+    s.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this collector")
     s.add_argument("--engine-id")
     s.add_argument("--role", choices=["prefill", "decode", "both"])
     s.add_argument("--tp-size", type=int)

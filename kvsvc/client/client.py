@@ -125,12 +125,13 @@ class AsyncClient:
         await self._channel.close()
 
     async def _call(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None,
-                    idempotent: bool = True) -> Any:
+                    idempotent: bool = True, traceparent: str = "") -> Any:
         delay = self.options.backoff_s
         attempts = self.options.retries + 1 if idempotent else 1
         for attempt in range(attempts):
             try:
-                return await rpc(request, timeout=timeout_s or self.options.timeout_s)
+                return await rpc(request, timeout=timeout_s or self.options.timeout_s,
+                                 metadata=(("traceparent", traceparent),) if traceparent else None)
             except grpc.aio.AioRpcError as e:
                 err = error_from_rpc(e)
                 if not is_transport_unavailable(err) or attempt == attempts - 1:
@@ -159,8 +160,11 @@ class AsyncClient:
         """PublishBlocks with a whole request message (never retried: see ClientOptions.retries)."""
         return await self._call(self._stub.PublishBlocks, request, timeout_s, idempotent=False)  # type: ignore[no-any-return]
 
-    async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None) -> pb.ClaimLeaseResponse:
-        return await self._call(self._stub.ClaimLease, request, timeout_s)  # type: ignore[no-any-return]
+    async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
+                          traceparent: str = "") -> pb.ClaimLeaseResponse:
+        """traceparent: the W3C trace context of the transfer this claim is for, if any."""
+        return await self._call(self._stub.ClaimLease, request, timeout_s,  # type: ignore[no-any-return]
+                                traceparent=traceparent)
 
     async def plan_transfer(self, request: pb.PlanTransferRequest, *, timeout_s: float | None = None) -> pb.PlanTransferResponse:
         return await self._call(self._stub.PlanTransfer, request, timeout_s)  # type: ignore[no-any-return]
@@ -173,8 +177,10 @@ class AsyncClient:
                                  local_block_ids_per_group=_blocks(local_block_ids_per_group))
         return await self._call(self._stub.Transfer, req, timeout_s)  # type: ignore[no-any-return]
 
-    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
-        return await self._call(self._stub.Notify, request, timeout_s)  # type: ignore[no-any-return]
+    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
+                     traceparent: str = "") -> pb.NotifyResponse:
+        return await self._call(self._stub.Notify, request, timeout_s,  # type: ignore[no-any-return]
+                                traceparent=traceparent)
 
     async def list_leases(self, *, limit: int = 0, request_id_prefix: str = "",
                           timeout_s: float | None = None) -> pb.ListLeasesResponse:

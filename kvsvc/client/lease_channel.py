@@ -147,21 +147,24 @@ class LeaseChannel:
         """Whether a stream is open now (it opens on the first call, and again after a break)."""
         return self._stream is not None and not self._stream.ended
 
-    async def claim_lease(self, request: pb.ClaimLeaseRequest, *,
-                          timeout_s: float | None = None) -> pb.ClaimLeaseResponse:
+    async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
+                          traceparent: str = "") -> pb.ClaimLeaseResponse:
         if self._unary:
-            return await self._client.claim_lease(request, timeout_s=timeout_s)
-        answer = await self._call(lambda cid: pb.LeaseCall(call_id=cid, claim=request), timeout_s)
+            return await self._client.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent)
+        answer = await self._call(lambda cid: pb.LeaseCall(call_id=cid, claim=request, traceparent=traceparent),
+                                  timeout_s)
         if answer is None:
-            return await self._client.claim_lease(request, timeout_s=timeout_s)
+            return await self._client.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent)
         return answer.claim
 
-    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None) -> pb.NotifyResponse:
+    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
+                     traceparent: str = "") -> pb.NotifyResponse:
         if self._unary:
-            return await self._client.notify(request, timeout_s=timeout_s)
-        answer = await self._call(lambda cid: pb.LeaseCall(call_id=cid, notify=request), timeout_s)
+            return await self._client.notify(request, timeout_s=timeout_s, traceparent=traceparent)
+        answer = await self._call(lambda cid: pb.LeaseCall(call_id=cid, notify=request, traceparent=traceparent),
+                                  timeout_s)
         if answer is None:
-            return await self._client.notify(request, timeout_s=timeout_s)
+            return await self._client.notify(request, timeout_s=timeout_s, traceparent=traceparent)
         return answer.notify
 
     async def close(self) -> None:

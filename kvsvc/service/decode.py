@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from kvsvc.client.leases import abort_published
 from kvsvc.codec import bad_field, block_ids_from_proto
@@ -50,6 +52,7 @@ from kvsvc.service.legs import (
 )
 from kvsvc.service.node import Node
 from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
+from kvsvc.service.tracing import Clock, mark_error, record_phases, record_span, server_span, traceparent
 from kvsvc.service.transfers import TransferJobs, fingerprint
 from kvsvc.transport.nixl_thread import InFlight
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -163,7 +166,8 @@ class Decoder:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.peers.close()
 
-    async def transfer(self, req: pb.TransferRequest, time_remaining_s: float | None) -> pb.TransferResponse:
+    async def transfer(self, req: pb.TransferRequest, time_remaining_s: float | None,
+                       trace_ctx: Context | None = None) -> pb.TransferResponse:
         """Start (or join) the job for req.request_id and await it.
 
         A caller that goes away cancels the job unless another caller (a retry) still
@@ -179,7 +183,7 @@ class Decoder:
                                    f"{clip(req.params.remote_engine_id, 64)!r} (not in allowed_peers)",
                                    {"engine_id": req.params.remote_engine_id})
         deadline = _deadline(time_remaining_s)
-        job = self.jobs.start_or_join(req.request_id, fingerprint(req), lambda: self._measured(req, deadline))
+        job = self.jobs.start_or_join(req.request_id, fingerprint(req), lambda: self._measured(req, deadline, trace_ctx))
         assert job.task is not None
         job.waiters += 1
         try:
@@ -207,17 +211,24 @@ class Decoder:
             raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
         return await self.jobs.wait(req.request_id, req.wait_ms / 1000)
 
-    async def _measured(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
-        """One job, counted once (retries that join it are not) by outcome and reason."""
+    async def _measured(self, req: pb.TransferRequest, deadline: float,
+                        trace_ctx: Context | None = None) -> pb.TransferResponse:
+        """One job, counted once (retries that join it are not) by outcome and reason, and
+        traced as one span (under the caller's trace when it sent one)."""
         started = time.perf_counter()
         peer_engine = req.params.remote_engine_id
-        try:
-            resp = await self._run(req, deadline)
-        except BaseException as e:
-            reason = e.reason if isinstance(e, KvsvcError) else (
-                "CANCELLED" if isinstance(e, asyncio.CancelledError) else "INTERNAL")
-            self.node.metrics.transfer_failed(peer_engine, reason)
-            raise
+        with server_span("kvsvc.Transfer", trace_ctx or Context(), **{
+                "kvsvc.request_id": req.request_id, "kvsvc.remote_request_id": req.params.remote_request_id,
+                "kvsvc.peer_engine": peer_engine}) as span:
+            try:
+                resp = await self._run(req, deadline)
+            except BaseException as e:
+                reason = e.reason if isinstance(e, KvsvcError) else (
+                    "CANCELLED" if isinstance(e, asyncio.CancelledError) else "INTERNAL")
+                self.node.metrics.transfer_failed(peer_engine, reason)
+                mark_error(span, e if isinstance(e, KvsvcError) else KvsvcError(reason, str(e)))
+                raise
+            span.set_attribute("kvsvc.bytes", resp.total_bytes)
         self.node.metrics.transfer_ok(peer_engine, time.perf_counter() - started, resp.total_bytes,
                                       sum(r.num_descriptors for r in resp.ranks),
                                       max((r.duration_us for r in resp.ranks), default=0) / 1e6)
@@ -233,6 +244,7 @@ class Decoder:
             self._spawn(self._abort_unpaired(p))  # an impossible pair: free P's blocks now
             raise
         async with contextlib.AsyncExitStack() as stack:
+            clock, peer_started = Clock(), time.perf_counter()
             try:
                 entered = await asyncio.gather(*(stack.enter_async_context(
                     self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed),
@@ -240,6 +252,8 @@ class Decoder:
             except asyncio.CancelledError:
                 self._spawn(self._abort_unpaired(p))  # given up before any claim: free P's blocks
                 raise
+            record_span(trace.get_current_span(), clock, "peer", peer_started, time.perf_counter(),
+                        **{"kvsvc.p_servers": len(needed)})
             failed = [e for e in entered if isinstance(e, BaseException)]
             if failed:
                 # Could not pair (refused, a NIXL failure, cancelled): free P's blocks now, unless
@@ -277,7 +291,9 @@ class Decoder:
             self._spawn(self._abort_unpaired(p))
             raise  # blocks that cannot be read: free P's now, not at TTL
         marks = [("plan", time.perf_counter())]
-        own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16), node.layout.dcp_size)
+        span, clock = trace.get_current_span(), Clock()
+        own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16), node.layout.dcp_size,
+                        traceparent(span))
 
         posted: list[Posted] = []
         # The claim goes out with the READs instead of before them: P's answer and the bytes
@@ -292,7 +308,9 @@ class Decoder:
 
         def claim_answered(f: asyncio.Future[None]) -> None:
             if not f.cancelled() and f.exception() is None:
-                self.node.metrics.lease_call("claim", time.perf_counter() - claim_sent)
+                answered = time.perf_counter()
+                self.node.metrics.lease_call("claim", answered - claim_sent)
+                record_span(span, clock, "claim", claim_sent, answered)
 
         claimed.add_done_callback(claim_answered)
         keepers: list[asyncio.Future[None]] = []
@@ -345,6 +363,7 @@ class Decoder:
                 k.cancel()
         marks.append(("confirm", time.perf_counter()))
         self.node.metrics.phases(marks, started)
+        record_phases(span, clock, started, marks)
         if log.isEnabledFor(logging.DEBUG):
             prev, phases = started, []
             for name, at in marks:

@@ -135,6 +135,7 @@ class Ownership:
     tp_size: int
     claim_id: str
     dcp_size: int = 1
+    traceparent: str = ""  # the transfer's trace context, passed with every lease call
 
     def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
         """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
@@ -154,7 +155,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
             dcp_size=own.dcp_size),
-            timeout_s=timeout_s)
+            timeout_s=timeout_s, traceparent=own.traceparent)
         leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
 
     outcomes = await asyncio.gather(*(claim(leg) for leg in legs), return_exceptions=True)
@@ -174,7 +175,8 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
 async def confirm_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
     """CONSUMED at every P server; each must still know our claim (the proof the bytes are good)."""
     answers = await asyncio.gather(*(
-        leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks), timeout_s=timeout_s)
+        leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_CONSUMED, leg.peer.epoch, leg.d_ranks), timeout_s=timeout_s,
+                                    traceparent=own.traceparent)
         for leg in legs))
     for leg, resp in zip(legs, answers, strict=True):
         if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
@@ -195,7 +197,8 @@ async def heartbeat(leg: Leg, own: Ownership, claimed: asyncio.Future[None] | No
     while True:
         await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, clock.remaining_s / 3))
         try:
-            resp = await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch))
+            resp = await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch),
+                                                     traceparent=own.traceparent)
         except KvsvcError:
             log.warning("heartbeat for %s at %s failed", own.params.remote_request_id, leg.peer.address)
             continue
@@ -213,7 +216,8 @@ async def abort_all(legs: list[Leg], own: Ownership, timeout_s: float) -> tuple[
     """
     async def abort(leg: Leg) -> str:
         try:
-            await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout_s)
+            await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_ABORTED, leg.peer.epoch), timeout_s=timeout_s,
+                                              traceparent=own.traceparent)
             return "told"
         except KvsvcError as e:
             log.warning("could not tell %s that %s was aborted", leg.peer.address, own.params.remote_request_id)

@@ -161,6 +161,10 @@ def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    if config.otlp_endpoint:  # the process's tracer provider: an embedding engine sets its own
+        from kvsvc.service.tracing import install_otlp
+
+        install_otlp(config.otlp_endpoint, f"kvsvc-{config.engine_id}")
     running, _ = await create_server(config)
     if running.metrics_address:  # before the line that says the server is ready
         print(f"kvsvc metrics on http://{running.metrics_address}/metrics", flush=True)

@@ -11,6 +11,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_status import rpc_status
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
@@ -34,12 +36,21 @@ from kvsvc.service.errors import Malformed, rpc_errors, to_status
 from kvsvc.service.inspect import list_leases
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
+from kvsvc.service.tracing import context_from_metadata, context_from_traceparent, server_span
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTransferService"]
 
 log = logging.getLogger(__name__)
+
+
+def _traced(call: str, request: Any, ctx: Context | None) -> contextlib.AbstractContextManager[Any]:
+    """A span for a lease call this P server answers, when the caller sent a trace context."""
+    if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
+        return contextlib.nullcontext()
+    return server_span(f"kvsvc.{call}", ctx, **{"kvsvc.request_id": getattr(request, "request_id", ""),
+                                               "kvsvc.peer_engine": getattr(request, "engine_id", "")})
 
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
@@ -107,12 +118,14 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:
-        return prefill.claim(self.node, request, caller_names(context))
+        with _traced("claim", request, context_from_metadata(context.invocation_metadata())):
+            return prefill.claim(self.node, request, caller_names(context))
 
     @rpc_errors
     async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:
         require_engine(self.node, caller_names(context), "run transfers")
-        return await self.decoder.transfer(request, context.time_remaining())
+        return await self.decoder.transfer(request, context.time_remaining(),
+                                           context_from_metadata(context.invocation_metadata()))
 
     @rpc_errors
     async def WaitTransfer(
@@ -123,7 +136,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
-        return prefill.notify(self.node, request, caller_names(context))
+        with _traced("notify", request, context_from_metadata(context.invocation_metadata())):
+            return prefill.notify(self.node, request, caller_names(context))
 
     async def LeaseChannel(
         self, request_iterator: AsyncIterator[pb.LeaseChannelRequest], context: grpc.aio.ServicerContext
@@ -152,6 +166,11 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     def _lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
         which = call.WhichOneof("call")
+        body = getattr(call, which) if which else None
+        with _traced(which or "none", body, context_from_traceparent(call.traceparent) if call.traceparent else None):
+            return self._answer(call, which, names)
+
+    def _answer(self, call: pb.LeaseCall, which: str | None, names: Sequence[str]) -> pb.LeaseAnswer:
         try:
             if which == "claim":
                 return pb.LeaseAnswer(call_id=call.call_id, claim=prefill.claim(self.node, call.claim, names))

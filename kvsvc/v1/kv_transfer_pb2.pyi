@@ -695,14 +695,16 @@ class LeaseChannelRequest(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[LeaseCall, _Mapping]]] = ...) -> None: ...
 
 class LeaseCall(_message.Message):
-    __slots__ = ("call_id", "claim", "notify")
+    __slots__ = ("call_id", "claim", "notify", "traceparent")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     claim: ClaimLeaseRequest
     notify: NotifyRequest
-    def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseRequest, _Mapping]] = ..., notify: _Optional[_Union[NotifyRequest, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseRequest, _Mapping]] = ..., notify: _Optional[_Union[NotifyRequest, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class LeaseChannelResponse(_message.Message):
     __slots__ = ("answers",)
