@@ -82,6 +82,8 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated inference")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="log at INFO (-vv: DEBUG)")
+    ap.add_argument("--log-format", choices=["text", "json"], default="text",
+                    help="log lines as text or as one JSON object each (with request_id and trace_id)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run a server (defaults: 127.0.0.1:50051, a tiny built-in layout)")
@@ -145,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(level=level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvsvc.logs import setup
+
+    setup(level, args.log_format)
     from kvsvc.errors import KvsvcError
 
     try:

@@ -38,6 +38,7 @@ from kvsvc.limits import (
     clip,
     too_big,
 )
+from kvsvc.logs import REQUEST_ID
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.service.legs import (
     ClaimRefused,
@@ -217,6 +218,7 @@ class Decoder:
         traced as one span (under the caller's trace when it sent one)."""
         started = time.perf_counter()
         peer_engine = req.params.remote_engine_id
+        REQUEST_ID.set(req.request_id)  # this job's own task: every log line of it names the request
         with server_span("kvsvc.Transfer", trace_ctx or Context(), **{
                 "kvsvc.request_id": req.request_id, "kvsvc.remote_request_id": req.params.remote_request_id,
                 "kvsvc.peer_engine": peer_engine}) as span:

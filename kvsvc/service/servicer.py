@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,6 +27,7 @@ from kvsvc.limits import (
     check_tp_size,
     clip,
 )
+from kvsvc.logs import REQUEST_ID
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.service import prefill
@@ -45,12 +46,20 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KvTransferService"]
 log = logging.getLogger(__name__)
 
 
-def _traced(call: str, request: Any, ctx: Context | None) -> contextlib.AbstractContextManager[Any]:
-    """A span for a lease call this P server answers, when the caller sent a trace context."""
-    if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
-        return contextlib.nullcontext()
-    return server_span(f"kvsvc.{call}", ctx, **{"kvsvc.request_id": getattr(request, "request_id", ""),
-                                               "kvsvc.peer_engine": getattr(request, "engine_id", "")})
+@contextlib.contextmanager
+def _traced(call: str, request: Any, ctx: Context | None) -> Iterator[None]:
+    """A lease call this P server answers: its log lines name the P-side request, and it is a
+    span in the caller's trace when the caller sent one."""
+    token = REQUEST_ID.set(getattr(request, "request_id", ""))
+    try:
+        if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
+            yield
+            return
+        with server_span(f"kvsvc.{call}", ctx, **{"kvsvc.request_id": getattr(request, "request_id", ""),
+                                                 "kvsvc.peer_engine": getattr(request, "engine_id", "")}):
+            yield
+    finally:
+        REQUEST_ID.reset(token)
 
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:

@@ -1,8 +1,9 @@
-"""Prometheus metrics of real P and D servers, scraped over HTTP after real transfers and failures."""
+"""Observability of real servers: Prometheus metrics scraped over HTTP after real transfers and failures, and JSON log lines that name their request."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import urllib.request
 
@@ -11,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.client import AsyncClient
-from kvsvc.errors import FailedPrecondition
+from kvsvc.errors import FailedPrecondition, PermissionDenied
 from tests.e2e.harness import layout_table
 
 LAYOUT = layout_table(k=4)
@@ -98,3 +99,29 @@ def test_metrics_address_in_use_fails_at_start(tmp_path):
         assert "ADDRESS_IN_USE" in str(e.value) and "Traceback" not in str(e.value)
     finally:
         d.stop()
+
+
+async def test_json_logs_name_the_request(tmp_path):
+    """--log-format json: one JSON object a line, each with the request it is about."""
+    p = start_server(engine_id="log-p", role="prefill", tp_size=1, layout=LAYOUT, global_args=["-v", "--log-format",
+                                                                                              "json"])
+    d = start_server(engine_id="log-d", role="decode", tp_size=1, layout=LAYOUT)
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+            pub = await pc.publish_blocks("p-logged", [[1]])
+            await dc.transfer("d-logged", pub.params, [[2]])
+            bad = await pc.publish_blocks("p-refused", [[3]])
+            bad.params.lease_token = "wrong"
+            with pytest.raises(PermissionDenied):
+                await dc.transfer("d-refused", bad.params, [[4]])
+    finally:
+        assert p.stop() == 0
+        d.stop()
+    records = [json.loads(line) for line in p.output if line.startswith("{")]
+    assert records and all({"time", "level", "logger", "message", "request_id"} <= set(r) for r in records)
+    released = [r for r in records if r["message"].startswith("released p-logged")]
+    assert released and released[0]["request_id"] == "p-logged", records
+    refused = [r for r in records if "LEASE_TOKEN_MISMATCH" in r["message"]]
+    assert refused and refused[0]["request_id"] == "p-refused", records
+    others = [line for line in p.output if not line.startswith("{") and line.strip()]
+    assert all(line.startswith("kvsvc listening on") for line in others), others
