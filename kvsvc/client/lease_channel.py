@@ -149,23 +149,23 @@ class LeaseChannel:
 
     async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
                           traceparent: str = "") -> pb.ClaimLeaseResponse:
-        if self._unary:
-            return await self._client.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent)
-        answer = await self._call(lambda cid: pb.LeaseCall(call_id=cid, claim=request, traceparent=traceparent),
-                                  timeout_s)
-        if answer is None:
-            return await self._client.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent)
-        return answer.claim
+        return await self._one("claim", request, self._client.claim_lease, timeout_s,  # type: ignore[no-any-return]
+                                traceparent)
 
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
                      traceparent: str = "") -> pb.NotifyResponse:
-        if self._unary:
-            return await self._client.notify(request, timeout_s=timeout_s, traceparent=traceparent)
-        answer = await self._call(lambda cid: pb.LeaseCall(call_id=cid, notify=request, traceparent=traceparent),
-                                  timeout_s)
-        if answer is None:
-            return await self._client.notify(request, timeout_s=timeout_s, traceparent=traceparent)
-        return answer.notify
+        return await self._one("notify", request, self._client.notify, timeout_s,  # type: ignore[no-any-return]
+                               traceparent)
+
+    async def _one(self, kind: str, request: Any, unary: Callable[..., Any], timeout_s: float | None,
+                   traceparent: str) -> Any:
+        """One call on the stream (kind: the LeaseCall field), or unary where the server has no stream."""
+        if not self._unary:
+            answer = await self._call(
+                lambda cid: pb.LeaseCall(call_id=cid, traceparent=traceparent, **{kind: request}), timeout_s)
+            if answer is not None:
+                return getattr(answer, kind)
+        return await unary(request, timeout_s=timeout_s, traceparent=traceparent)
 
     async def close(self) -> None:
         self._closed = True

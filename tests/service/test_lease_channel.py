@@ -9,7 +9,6 @@ without it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -21,21 +20,10 @@ from kvsvc.client.lease_channel import LeaseChannel
 from kvsvc.config import MemoryMode, Role, load_config
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied
 from kvsvc.limits import MAX_LEASE_CALLS
-from kvsvc.service.server import RunningServer, create_server
+from kvsvc.service.server import create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 METHOD = "/kvsvc.v1.KvTransferService/LeaseChannel"
-
-
-@pytest.fixture
-async def prefill() -> AsyncIterator[tuple[RunningServer, AsyncClient]]:
-    running, port = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, role=Role.PREFILL,
-                                                    memory=MemoryMode.DRAM))
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}") as client:
-            yield running, client
-    finally:
-        await running.stop(0, drain_s=0)  # some tests leave a lease claimed on purpose
 
 
 def claim(pub: pb.PublishBlocksResponse, claim_id: str, **kw) -> pb.ClaimLeaseRequest:

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
-from kvsvc.client import AsyncClient
-from kvsvc.config import MemoryMode, Role, load_config
 from kvsvc.errors import InvalidArgument
 from kvsvc.limits import MAX_LIST_LEASES
-from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
-
-
-@pytest.fixture
-async def prefill() -> AsyncIterator[tuple[RunningServer, AsyncClient]]:
-    running, port = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, role=Role.PREFILL,
-                                                    memory=MemoryMode.DRAM))
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}") as client:
-            yield running, client
-    finally:
-        await running.stop(0, drain_s=0)
 
 
 async def test_lists_offered_and_claimed_leases_without_extending_them(prefill):
