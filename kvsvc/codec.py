@@ -52,7 +52,7 @@ def _enum(table: dict, value: int, field: str, enum_name: str) -> object:
 
 
 def _dtype(value: int, field: str) -> DType:
-    return _enum(_DTYPES_BACK, value, field, "DType")  # type: ignore[return-value]
+    return _enum(_DTYPES_BACK, value, field, "Dtype")  # type: ignore[return-value]
 
 
 # ---- specs ---------------------------------------------------------------------------

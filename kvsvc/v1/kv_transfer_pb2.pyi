@@ -14,15 +14,15 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_DECODE: _ClassVar[Role]
     ROLE_BOTH: _ClassVar[Role]
 
-class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    DTYPE_UNSPECIFIED: _ClassVar[DType]
-    DTYPE_FLOAT16: _ClassVar[DType]
-    DTYPE_BFLOAT16: _ClassVar[DType]
-    DTYPE_FLOAT32: _ClassVar[DType]
-    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
-    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
-    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT8_E4M3: _ClassVar[Dtype]
+    DTYPE_FLOAT8_E5M2: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
 
 class KvMemoryLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,13 +87,13 @@ ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_BOTH: Role
-DTYPE_UNSPECIFIED: DType
-DTYPE_FLOAT16: DType
-DTYPE_BFLOAT16: DType
-DTYPE_FLOAT32: DType
-DTYPE_FLOAT8_E4M3: DType
-DTYPE_FLOAT8_E5M2: DType
-DTYPE_UINT8: DType
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT8_E4M3: Dtype
+DTYPE_FLOAT8_E5M2: Dtype
+DTYPE_UINT8: Dtype
 KV_MEMORY_LAYOUT_UNSPECIFIED: KvMemoryLayout
 KV_MEMORY_LAYOUT_HND: KvMemoryLayout
 KV_MEMORY_LAYOUT_NHD: KvMemoryLayout
@@ -140,8 +140,8 @@ class FullAttentionSpec(_message.Message):
     num_kv_heads_per_rank: int
     head_size: int
     head_size_v: int
-    dtype: DType
-    def __init__(self, num_kv_heads_per_rank: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    dtype: Dtype
+    def __init__(self, num_kv_heads_per_rank: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class SlidingWindowSpec(_message.Message):
     __slots__ = ("num_kv_heads_per_rank", "head_size", "dtype", "sliding_window_tokens")
@@ -151,25 +151,25 @@ class SlidingWindowSpec(_message.Message):
     SLIDING_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_kv_heads_per_rank: int
     head_size: int
-    dtype: DType
+    dtype: Dtype
     sliding_window_tokens: int
-    def __init__(self, num_kv_heads_per_rank: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., sliding_window_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_kv_heads_per_rank: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., sliding_window_tokens: _Optional[int] = ...) -> None: ...
 
 class MlaAttentionSpec(_message.Message):
     __slots__ = ("head_size", "dtype")
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     head_size: int
-    dtype: DType
-    def __init__(self, head_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    dtype: Dtype
+    def __init__(self, head_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class MambaStateSpec(_message.Message):
     __slots__ = ("shape", "dtype")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
-    dtype: DType
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    dtype: Dtype
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class MambaSpec(_message.Message):
     __slots__ = ("states",)
