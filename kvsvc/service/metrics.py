@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # What makes a failed transfer a NIXL error (the data plane failed, not a lease or input).
 NIXL_REASONS = frozenset({"NIXL_ERROR", "TRANSFER_FAILED", "DATA_PLANE_UNAVAILABLE"})
+# Label values come from requests (engine ids in params, reasons in peers' answers): past
+# this many distinct values per label the rest count as "other", so no caller can grow
+# the registry without bound.
+MAX_LABEL_VALUES = 256
 
 
 class Metrics:
@@ -54,10 +58,21 @@ class Metrics:
                                  "expired, aborted)", ["engine", "reason"], registry=r)
         self._gauges: list[Gauge] = []
         self._http: Any = None
+        self._seen: dict[str, set[str]] = {"peer_engine": set(), "reason": set()}
+
+    def _bounded(self, label: str, value: str) -> str:
+        seen = self._seen[label]
+        if value in seen:
+            return value
+        if len(seen) >= MAX_LABEL_VALUES:
+            return "other"
+        seen.add(value)
+        return value
 
     # ---- what the server reports ------------------------------------------------------
 
     def transfer_ok(self, peer_engine: str, seconds: float, nbytes: int, descriptors: int, wire_s: float) -> None:
+        peer_engine = self._bounded("peer_engine", peer_engine)
         self._transfers.labels(self.engine, peer_engine, "ok", "").inc()
         self._bytes.labels(self.engine, peer_engine).inc(nbytes)
         self._descriptors.labels(self.engine, peer_engine).inc(descriptors)
@@ -65,7 +80,8 @@ class Metrics:
         self._wire.labels(self.engine).observe(wire_s)
 
     def transfer_failed(self, peer_engine: str, reason: str) -> None:
-        self._transfers.labels(self.engine, peer_engine, "failed", reason).inc()
+        self._transfers.labels(self.engine, self._bounded("peer_engine", peer_engine), "failed",
+                               self._bounded("reason", reason)).inc()
         if reason in NIXL_REASONS:
             self._nixl_errors.labels(self.engine).inc()
 
@@ -79,7 +95,7 @@ class Metrics:
         self._lease_calls.labels(self.engine, call).observe(seconds)
 
     def handshake(self, peer_engine: str, ok: bool) -> None:
-        self._handshakes.labels(self.engine, peer_engine, "ok" if ok else "failed").inc()
+        self._handshakes.labels(self.engine, self._bounded("peer_engine", peer_engine), "ok" if ok else "failed").inc()
 
     def rehandshake(self) -> None:
         self._rehandshakes.labels(self.engine).inc()

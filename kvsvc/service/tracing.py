@@ -21,14 +21,22 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 tracer = trace.get_tracer("kvsvc")
 
 
+# A W3C traceparent is 55 characters; longer values (and other headers) are not parsed.
+MAX_TRACE_HEADER_CHARS = 512
+
+
 def context_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> Context:
     """The trace context a caller sent in its gRPC metadata (empty when it sent none)."""
-    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    carrier = {k: v for k, v in (metadata or ()) if k in ("traceparent", "tracestate") and isinstance(v, str)
+               and len(v) <= MAX_TRACE_HEADER_CHARS}
     return propagate.extract(carrier)
 
 
 def context_from_traceparent(traceparent: str) -> Context:
-    return propagate.extract({"traceparent": traceparent} if traceparent else {})
+    """The context of a LeaseCall's traceparent; one that is absent or oversized is ignored
+    (tracing never fails a call)."""
+    ok = traceparent and len(traceparent) <= MAX_TRACE_HEADER_CHARS
+    return propagate.extract({"traceparent": traceparent} if ok else {})
 
 
 def traceparent(span: Span) -> str:

@@ -89,3 +89,14 @@ async def test_a_failed_transfer_says_why_on_its_span(pair):
     assert transfer.attributes["kvsvc.error_reason"] == "LEASE_TOKEN_MISMATCH"
     claim = next(s for s in EXPORTER.get_finished_spans() if s.name == "kvsvc.claim")
     assert claim.context.trace_id == transfer.context.trace_id
+
+
+def test_trace_headers_are_bounded():
+    from kvsvc.service.tracing import context_from_metadata, context_from_traceparent
+
+    good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace.get_current_span(context_from_traceparent(good)).get_span_context().trace_id == int(
+        "0af7651916cd43dd8448eb211c80319c", 16)
+    huge = good + "x" * 10_000
+    assert not trace.get_current_span(context_from_traceparent(huge)).get_span_context().is_valid
+    assert not trace.get_current_span(context_from_metadata([("traceparent", huge)])).get_span_context().is_valid
