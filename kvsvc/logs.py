@@ -23,10 +23,14 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+try:
+    from opentelemetry import trace
+except ImportError:  # a client-only install logs without traces
+    trace = None  # type: ignore[assignment]
+
+
 def _trace_id() -> str:
-    try:
-        from opentelemetry import trace
-    except ImportError:  # a client-only install logs without traces
+    if trace is None:
         return ""
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""

@@ -22,7 +22,6 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,11 +75,7 @@ class Target:
 
 
 def client_options(args: argparse.Namespace) -> ClientOptions:
-    if not args.ca:
-        return ClientOptions()
-    return ClientOptions(tls_root_certs=Path(args.ca).read_bytes(),
-                         tls_client_cert=Path(args.cert).read_bytes() if args.cert else None,
-                         tls_client_key=Path(args.key).read_bytes() if args.key else None)
+    return ClientOptions().with_pem_files(args.ca, args.cert, args.key) if args.ca else ClientOptions()
 
 
 def _attach(info: pb.GetInfoResponse) -> AttachedPool | None:

@@ -53,18 +53,12 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _client_options(args: argparse.Namespace) -> ClientOptions:
-    from pathlib import Path
-
     from kvsvc.client import ClientOptions
 
     if (args.cert or args.key) and not args.ca:
         raise SystemExit("kvsvc: --cert and --key go with --ca (TLS)")
-    if not args.ca:
-        return ClientOptions(timeout_s=args.timeout, retries=1)
-    return ClientOptions(timeout_s=args.timeout, retries=1, tls_root_certs=Path(args.ca).read_bytes(),
-                         tls_client_cert=Path(args.cert).read_bytes() if args.cert else None,
-                         tls_client_key=Path(args.key).read_bytes() if args.key else None,
-                         tls_server_name=args.server_name)
+    opts = ClientOptions(timeout_s=args.timeout, retries=1)
+    return opts.with_pem_files(args.ca, args.cert, args.key, args.server_name) if args.ca else opts
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -66,6 +67,13 @@ class ClientOptions:
         if self.tls_server_name and self.tls_root_certs is not None:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return opts
+
+    def with_pem_files(self, ca: str, cert: str = "", key: str = "", server_name: str | None = None) -> ClientOptions:
+        """These options over TLS: roots from the PEM file ca, and the client pair cert/key
+        (mutual TLS) when given."""
+        return replace(self, tls_root_certs=Path(ca).read_bytes(),
+                       tls_client_cert=Path(cert).read_bytes() if cert else None,
+                       tls_client_key=Path(key).read_bytes() if key else None, tls_server_name=server_name)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if self.tls_root_certs is None:

@@ -8,8 +8,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.lease_channel import LeaseChannel
@@ -74,11 +73,7 @@ def peer_client_options(node: Node, engine_id: str = "") -> ClientOptions:
                          connect_timeout_ms=int(cfg.peer_timeout_s * 1000))
     if not cfg.peer_tls_ca_file:
         return opts
-    own = bool(cfg.tls_cert_file)
-    return replace(opts, tls_root_certs=Path(cfg.peer_tls_ca_file).read_bytes(),
-                   tls_client_cert=Path(cfg.tls_cert_file).read_bytes() if own else None,
-                   tls_client_key=Path(cfg.tls_key_file).read_bytes() if own else None,
-                   tls_server_name=engine_id or None)
+    return opts.with_pem_files(cfg.peer_tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file, engine_id or None)
 
 
 STALE_EPOCHS_KEPT = 64
