@@ -41,6 +41,11 @@ class ServerProcess:
             self.proc.stdout.close()
         return self.proc.returncode
 
+    def dump_stacks(self) -> None:
+        """Ask the server where its threads and tasks wait (SIGUSR1): the lines land in .output."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

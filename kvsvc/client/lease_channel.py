@@ -122,12 +122,6 @@ def _decode_error(data: bytes) -> KvsvcError:
         return Internal("INTERNAL", f"the P server answered an unreadable error ({len(data)} bytes)")
 
 
-def _expire(fut: asyncio.Future[Any], timeout_s: float) -> None:
-    if not fut.done():
-        fut.set_exception(DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer on the LeaseChannel within "
-                                           f"{timeout_s:.3f} s"))
-
-
 class LeaseChannel:
     """claim_lease / notify like AsyncClient's, over one stream to client's server."""
 
@@ -182,10 +176,15 @@ class LeaseChannel:
             stream = self._open()
             call = make(next(self._ids))
             fut: asyncio.Future[pb.LeaseAnswer] = loop.create_future()
-            timer = loop.call_at(deadline, _expire, fut, timeout)
             try:
-                await stream.submit(call, fut)
-                return await fut
+                # The deadline covers the write too: a write stuck past it ends the stream
+                # (submit does that when cancelled mid-write), and the next call opens a new one.
+                async with asyncio.timeout_at(deadline):
+                    await stream.submit(call, fut)
+                    return await fut
+            except TimeoutError:
+                raise DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer on the LeaseChannel to {self.address} "
+                                       f"within {timeout:.3f} s") from None
             except _StreamEnded as e:
                 ended = e.error
                 if ended is not None and ended.reason == "UNIMPLEMENTED":
@@ -198,7 +197,6 @@ class LeaseChannel:
                     raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} broke before the "
                                       f"answer: {ended or 'closed'}") from None
             finally:
-                timer.cancel()
                 stream.pending.pop(call.call_id, None)
         raise AssertionError("unreachable")
 

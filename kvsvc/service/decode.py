@@ -53,6 +53,7 @@ from kvsvc.service.legs import (
 )
 from kvsvc.service.node import Node
 from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
+from kvsvc.service.stacks import await_chain
 from kvsvc.service.tracing import Clock, mark_error, record_phases, record_span, server_span, traceparent
 from kvsvc.service.transfers import TransferJobs, fingerprint
 from kvsvc.transport.nixl_thread import InFlight
@@ -121,6 +122,11 @@ async def _claim_refusal(claimed: asyncio.Future[None], timeout_s: float) -> Cla
     if claimed.done() and not claimed.cancelled() and isinstance(claimed.exception(), ClaimRefused):
         return claimed.exception()  # type: ignore[return-value]
     return None
+
+
+def _log_overdue(request_id: str, task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        log.error("transfer %s is past its deadline and still running: %s", request_id, await_chain(task))
 
 
 def _deadline(time_remaining_s: float | None) -> float:
@@ -219,6 +225,12 @@ class Decoder:
         started = time.perf_counter()
         peer_engine = req.params.remote_engine_id
         REQUEST_ID.set(req.request_id)  # this job's own task: every log line of it names the request
+        task = asyncio.current_task()
+        assert task is not None
+        # A job still running past its own deadline (plus the answer margin) is stuck on
+        # something unbounded: say where, once.
+        overdue = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()) + MAX_DEADLINE_MARGIN_S, _log_overdue, req.request_id, task)
         with server_span("kvsvc.Transfer", trace_ctx or Context(), **{
                 "kvsvc.request_id": req.request_id, "kvsvc.remote_request_id": req.params.remote_request_id,
                 "kvsvc.peer_engine": peer_engine}) as span:
@@ -230,6 +242,8 @@ class Decoder:
                 self.node.metrics.transfer_failed(peer_engine, reason)
                 mark_error(span, e if isinstance(e, KvsvcError) else KvsvcError(reason, str(e)))
                 raise
+            finally:
+                overdue.cancel()
             span.set_attribute("kvsvc.bytes", resp.total_bytes)
         self.node.metrics.transfer_ok(peer_engine, time.perf_counter() - started, resp.total_bytes,
                                       sum(r.num_descriptors for r in resp.ranks),

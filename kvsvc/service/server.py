@@ -21,6 +21,7 @@ from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.service.siblings import Siblings
+from kvsvc.service.stacks import install_stack_dump
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    install_stack_dump(loop)  # kill -USR1: where every thread and task is waiting
     if ready is not None:
         ready.set()
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,17 +34,31 @@ def layout_table(*, k: int = 4, layers: int = 2, head: int = 4, block: int = 4, 
 @contextlib.contextmanager
 def servers(p_tp: int, d_tp: int, p_layout: Mapping[str, Any], d_layout: Mapping[str, Any] | None = None,
             ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=p_tp, layout=p_layout)
+    # INFO logs (handshakes, refusals): shown with the stack dumps when a test fails.
+    p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=p_tp, layout=p_layout, global_args=["-v"])
     try:
-        d = start_server(engine_id="e2e-decode", role="decode", tp_size=d_tp, layout=d_layout or p_layout)
+        d = start_server(engine_id="e2e-decode", role="decode", tp_size=d_tp, layout=d_layout or p_layout,
+                         global_args=["-v"])
     except BaseException:
         p.stop()
         raise
     try:
         yield p, d
+    except BaseException:
+        report_servers(p, d)
+        raise
     finally:
         codes = (p.stop(), d.stop())
         assert codes == (0, 0), f"servers exited {codes}:\n{''.join(p.output[-20:])}\n{''.join(d.output[-20:])}"
+
+
+def report_servers(*procs: ServerProcess, lines: int = 150) -> None:
+    """After a failed test: where each server's threads and tasks wait, and what it logged."""
+    for sp in procs:
+        sp.dump_stacks()
+    time.sleep(1.0)  # the dump is written from the servers' signal handlers and event loops
+    for sp in procs:
+        sys.stderr.write(f"---- server {sp.address} (last {lines} lines) ----\n{''.join(sp.output[-lines:])}")
 
 
 @dataclass

@@ -125,3 +125,24 @@ async def test_json_logs_name_the_request(tmp_path):
     assert refused and refused[0]["request_id"] == "p-refused", records
     others = [line for line in p.output if not line.startswith("{") and line.strip()]
     assert all(line.startswith("kvsvc listening on") for line in others), others
+
+
+async def test_sigusr1_dumps_thread_stacks_and_task_chains():
+    """kill -USR1 on a running server: every thread's stack, then each pending asyncio task
+    with the coroutines it waits in; the server keeps serving."""
+    sp = start_server(engine_id="stacks", role="prefill", tp_size=1, layout=LAYOUT)
+    try:
+        sp.dump_stacks()
+        text = ""
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            text = "".join(sp.output)
+            if "task " in text and "asyncio tasks pending" in text:
+                break
+        assert re.search(r"Thread 0x[0-9a-f]+", text), text[-2000:]  # faulthandler's per-thread header
+        assert "kvsvc-nixl" in text or "nixl_thread.py" in text, text[-2000:]  # the NIXL thread is one of them
+        assert re.search(r"task \S+: serve server\.py:\d+ -> wait ", text), text[-2000:]  # main task's chain
+        async with AsyncClient(sp.address) as client:
+            assert (await client.get_info()).engine_id == "stacks"
+    finally:
+        assert sp.stop() == 0

@@ -183,3 +183,56 @@ async def test_shutdown_ends_open_channels_with_shutting_down(prefill):
     assert (e.value.code, e.value.reason) == (ErrorCode.UNAVAILABLE, "SHUTTING_DOWN")
     assert not server.servicer._lease_channels
     await lane.close()
+
+
+class _StuckCall:
+    """A stream whose writes never complete and which never answers (a wedged transport)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.writes = 0
+
+    async def write(self, message) -> None:
+        self.writes += 1
+        await asyncio.Event().wait()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+async def test_a_write_stuck_past_the_deadline_fails_the_call_and_ends_the_stream():
+    """The call's deadline covers the write too: the caller gets DEADLINE_EXCEEDED in time,
+    the wedged stream is cancelled, and the next call opens a fresh one."""
+    from kvsvc.client import lease_channel as lc
+    from kvsvc.errors import DeadlineExceeded
+
+    async with AsyncClient("127.0.0.1:1") as client:
+        lane = LeaseChannel(client)
+        calls: list[_StuckCall] = []
+
+        def fake_open() -> lc._Stream:
+            if lane._stream is None or lane._stream.ended:
+                calls.append(_StuckCall())
+                lane._stream = lc._Stream(calls[-1])
+            return lane._stream
+
+        lane._open = fake_open  # type: ignore[method-assign]
+        hb = pb.NotifyRequest(request_id="r", kind=pb.NOTIFY_KIND_HEARTBEAT, engine_id="D", tp_size=1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(DeadlineExceeded):
+            await lane.notify(hb, timeout_s=0.2)
+        assert loop.time() - started < 5  # answered at its deadline, not whenever the write ends
+        assert calls[0].cancelled and calls[0].writes == 1
+        assert not lane.is_open
+        with pytest.raises(DeadlineExceeded):
+            await lane.notify(hb, timeout_s=0.1)
+        assert len(calls) == 2 and calls[1].writes == 1
+        await lane.close()
