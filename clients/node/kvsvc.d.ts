@@ -47,7 +47,14 @@ export class KvsvcError extends Error {
 interface CallOptions { timeoutMs?: number }
 
 export class KvsvcClient {
-  constructor(address: string, options?: { timeoutMs?: number; credentials?: unknown });
+  constructor(address: string, options?: {
+    timeoutMs?: number; credentials?: unknown;
+    /** extra attempts of an idempotent call that never reached the server (default 2; PublishBlocks: never) */
+    retries?: number;
+    /** first pause between attempts, doubling, jittered (default 100) */
+    backoffMs?: number;
+    onRetry?: (rpc: string, attempt: number, error: KvsvcError) => void;
+  });
   getInfo(request?: {}, options?: CallOptions): Promise<GetInfoResponse>;
   handshake(request: Record<string, unknown>, options?: CallOptions): Promise<Record<string, unknown>>;
   publishBlocks(request: { request_id: string; block_ids_per_group: BlockIds[]; lease_ttl_ms?: number; num_tokens?: number | string }, options?: CallOptions): Promise<PublishBlocksResponse>;
@@ -57,6 +64,7 @@ export class KvsvcClient {
   notify(request: Record<string, unknown>, options?: CallOptions): Promise<NotifyResponse>;
   // Settled state of a D-side transfer (after a cancelled or failed Transfer, before reusing its blocks).
   waitTransfer(request: { request_id: string; wait_ms?: number }, options?: CallOptions): Promise<WaitTransferResponse>;
+  listLeases(request?: { limit?: number; request_id_prefix?: string }, options?: CallOptions): Promise<Record<string, unknown>>;
   watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
   close(): void;
 }

@@ -1,14 +1,16 @@
 'use strict';
-// Node.js client of kvsvc.v1. Loads protos/kvsvc/v1/kv_transfer.proto at runtime
-// (uint64 as strings, enums as strings, field names as in the .proto) and turns
-// google.rpc.Status error details into KvsvcError {code, reason, metadata}.
+// Node.js client of kvsvc.v1. Loads the kv_transfer.proto this package carries (proto/,
+// a copy of the repository's protos/ that `make proto` keeps in step) at runtime (uint64
+// as strings, enums as strings, field names as in the .proto), turns google.rpc.Status
+// error details into KvsvcError {code, reason, metadata}, and retries idempotent calls
+// that never reached a server.
 
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
 
-const PROTO_ROOT = process.env.KVSVC_PROTO_ROOT || path.resolve(__dirname, '..', '..', 'protos');
+const PROTO_ROOT = process.env.KVSVC_PROTO_ROOT || path.resolve(__dirname, 'proto');
 const PROTO_FILE = 'kvsvc/v1/kv_transfer.proto';
 
 const LOADER_OPTIONS = { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true, includeDirs: [PROTO_ROOT] };
@@ -78,22 +80,59 @@ function loadService() {
 const UNARY = {
   getInfo: 'GetInfo', handshake: 'Handshake', publishBlocks: 'PublishBlocks', claimLease: 'ClaimLease',
   planTransfer: 'PlanTransfer', transfer: 'Transfer', notify: 'Notify', waitTransfer: 'WaitTransfer',
+  listLeases: 'ListLeases',
 };
+// Safe to send twice: a Transfer joins its running job by request id, a claim with the
+// same claim id is granted again, a notification is applied once. PublishBlocks is not
+// (a second call would lease the blocks again), so it is never retried.
+const IDEMPOTENT = new Set(['GetInfo', 'Handshake', 'ClaimLease', 'PlanTransfer', 'Transfer', 'Notify', 'WaitTransfer',
+  'ListLeases']);
+
+// UNAVAILABLE with no kvsvc ErrorInfo: the call never reached a kvsvc server (connection
+// refused, reset before an answer); a server's own UNAVAILABLE answer carries a reason.
+function neverReached(err) {
+  const details = err.metadata && err.metadata.get('grpc-status-details-bin');
+  return err.code === grpc.status.UNAVAILABLE && !(details && details.length);
+}
+
+const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
 
 class KvsvcClient {
-  constructor(address, { timeoutMs = 30000, credentials } = {}) {
+  // retries: extra attempts of an idempotent call that never reached the server, backoffMs
+  // apart (doubling, jittered), all within the call's own deadline; onRetry(rpc, attempt, err)
+  // is called before each.
+  constructor(address, { timeoutMs = 30000, credentials, retries = 2, backoffMs = 100, onRetry } = {}) {
     const Service = loadService();
     this.raw = new Service(address, credentials || grpc.credentials.createInsecure());
     this.timeoutMs = timeoutMs;
+    this.retries = retries;
+    this.backoffMs = backoffMs;
+    this.onRetry = onRetry;
     for (const [method, rpc] of Object.entries(UNARY)) {
       this[method] = (request = {}, { timeoutMs: t } = {}) => this._unary(rpc, request, t);
     }
   }
 
-  _unary(rpc, request, timeoutMs) {
-    const deadline = new Date(Date.now() + (timeoutMs || this.timeoutMs));
+  async _unary(rpc, request, timeoutMs) {
+    const end = Date.now() + (timeoutMs || this.timeoutMs);
+    const attempts = IDEMPOTENT.has(rpc) ? this.retries + 1 : 1;
+    let delay = this.backoffMs;
+    for (let attempt = 1; ; attempt += 1) {
+      try {
+        return await this._once(rpc, request, new Date(end));
+      } catch (err) {
+        const wait = delay * (0.5 + Math.random());
+        if (attempt >= attempts || !neverReached(err) || Date.now() + wait >= end) throw toKvsvcError(err);
+        if (this.onRetry) this.onRetry(rpc, attempt, toKvsvcError(err));
+        await sleep(wait);
+        delay *= 2;
+      }
+    }
+  }
+
+  _once(rpc, request, deadline) {
     return new Promise((resolve, reject) => {
-      this.raw[rpc](request, { deadline }, (err, response) => (err ? reject(toKvsvcError(err)) : resolve(response)));
+      this.raw[rpc](request, { deadline }, (err, response) => (err ? reject(err) : resolve(response)));
     });
   }
 

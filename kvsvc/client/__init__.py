@@ -2,5 +2,6 @@
 
 from kvsvc.client.client import AsyncClient, Client, ClientOptions
 from kvsvc.client.errors import error_from_rpc
+from kvsvc.client.params import params_from_json, params_to_json
 
-__all__ = ["AsyncClient", "Client", "ClientOptions", "error_from_rpc"]
+__all__ = ["AsyncClient", "Client", "ClientOptions", "error_from_rpc", "params_from_json", "params_to_json"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from kvsvc.client.errors import error_from_rpc, is_transport_unavailable
-from kvsvc.errors import KvsvcError
+from kvsvc.errors import KvsvcError, Unavailable
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -253,15 +254,31 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking twin of AsyncClient, for scripts and engines without an event loop."""
+    """Blocking twin of AsyncClient, for scripts and engines without an event loop.
+
+    Its calls run on a private event loop in a thread of its own, so a Client also works
+    where an event loop is already running (a notebook, an async engine): the calling
+    thread blocks until the answer comes, so inside a coroutine prefer AsyncClient, which
+    does not hold up the caller's loop. Keyword arguments are AsyncClient's: every call
+    takes timeout_s (seconds; default ClientOptions.timeout_s).
+    """
 
     def __init__(self, address: str, options: ClientOptions | None = None) -> None:
-        self._runner = asyncio.Runner()
-        self._async = self._runner.run(self._make(address, options))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvsvc-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._async = self._run(self._make(address, options))
 
     @staticmethod
     async def _make(address: str, options: ClientOptions | None) -> AsyncClient:
         return AsyncClient(address, options)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise Unavailable("CLIENT_CLOSED", "this Client was closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __enter__(self) -> Client:
         return self
@@ -270,41 +287,69 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._runner.run(self._async.close())
-        self._runner.close()
+        """Close the channel and stop the client's thread; idempotent."""
+        if self._closed:
+            return
+        try:
+            self._run(self._async.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            if not self._thread.is_alive():
+                self._loop.close()
 
-    def get_info(self, **kw: Any) -> pb.GetInfoResponse:
-        return self._runner.run(self._async.get_info(**kw))
+    def get_info(self, *, timeout_s: float | None = None) -> pb.GetInfoResponse:
+        return self._run(self._async.get_info(timeout_s=timeout_s))
 
-    def handshake(self, request: pb.HandshakeRequest, **kw: Any) -> pb.HandshakeResponse:
-        return self._runner.run(self._async.handshake(request, **kw))
+    def handshake(self, request: pb.HandshakeRequest, *, timeout_s: float | None = None) -> pb.HandshakeResponse:
+        return self._run(self._async.handshake(request, timeout_s=timeout_s))
 
-    def publish_blocks(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], **kw: Any) -> pb.PublishBlocksResponse:
-        return self._runner.run(self._async.publish_blocks(request_id, block_ids_per_group, **kw))
+    def publish_blocks(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], *, lease_ttl_ms: int = 0,
+                       num_tokens: int = 0, timeout_s: float | None = None) -> pb.PublishBlocksResponse:
+        """Lease blocks for D to read; lease_ttl_ms 0: the server's default; num_tokens: the
+        request's length (needed under DCP)."""
+        return self._run(self._async.publish_blocks(request_id, block_ids_per_group, lease_ttl_ms=lease_ttl_ms,
+                                                    num_tokens=num_tokens, timeout_s=timeout_s))
 
-    def claim_lease(self, request: pb.ClaimLeaseRequest, **kw: Any) -> pb.ClaimLeaseResponse:
-        return self._runner.run(self._async.claim_lease(request, **kw))
+    def publish_blocks_request(self, request: pb.PublishBlocksRequest, *,
+                               timeout_s: float | None = None) -> pb.PublishBlocksResponse:
+        return self._run(self._async.publish_blocks_request(request, timeout_s=timeout_s))
 
-    def plan_transfer(self, request: pb.PlanTransferRequest, **kw: Any) -> pb.PlanTransferResponse:
-        return self._runner.run(self._async.plan_transfer(request, **kw))
+    def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
+                    traceparent: str = "") -> pb.ClaimLeaseResponse:
+        return self._run(self._async.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent))
+
+    def plan_transfer(self, request: pb.PlanTransferRequest, *, timeout_s: float | None = None) -> pb.PlanTransferResponse:
+        return self._run(self._async.plan_transfer(request, timeout_s=timeout_s))
 
     def transfer(self, request_id: str, params: pb.TransferParams,
-                 local_block_ids_per_group: Sequence[Sequence[int]], **kw: Any) -> pb.TransferResponse:
-        return self._runner.run(self._async.transfer(request_id, params, local_block_ids_per_group, **kw))
+                 local_block_ids_per_group: Sequence[Sequence[int]], *,
+                 timeout_s: float | None = None) -> pb.TransferResponse:
+        """Read params' blocks into local_block_ids_per_group (request_id: the D-side id)."""
+        return self._run(self._async.transfer(request_id, params, local_block_ids_per_group, timeout_s=timeout_s))
 
-    def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
-        return self._runner.run(self._async.notify(request, **kw))
+    def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
+               traceparent: str = "") -> pb.NotifyResponse:
+        return self._run(self._async.notify(request, timeout_s=timeout_s, traceparent=traceparent))
 
-    def list_leases(self, **kw: Any) -> pb.ListLeasesResponse:
-        """The blocking twin of AsyncClient.list_leases(limit=, request_id_prefix=, timeout_s=)."""
-        return self._runner.run(self._async.list_leases(**kw))
+    def list_leases(self, *, limit: int = 0, request_id_prefix: str = "",
+                    timeout_s: float | None = None) -> pb.ListLeasesResponse:
+        """Live leases, peers and running transfers (read only; limit 0: the server's default)."""
+        return self._run(self._async.list_leases(limit=limit, request_id_prefix=request_id_prefix,
+                                                 timeout_s=timeout_s))
 
     def lease_channel(self) -> SyncLeaseChannel:
         """The blocking twin of AsyncClient.lease_channel()."""
-        return SyncLeaseChannel(self._runner, self._async.lease_channel())
+        return SyncLeaseChannel(self._run, self._async.lease_channel())
 
-    def wait_transfer(self, request_id: str, **kw: Any) -> pb.WaitTransferResponse:
-        return self._runner.run(self._async.wait_transfer(request_id, **kw))
+    def wait_transfer(self, request_id: str, *, wait_ms: int = 30_000,
+                      timeout_s: float | None = None) -> pb.WaitTransferResponse:
+        return self._run(self._async.wait_transfer(request_id, wait_ms=wait_ms, timeout_s=timeout_s))
+
+    def settled(self, request_id: str, error: BaseException | None = None) -> pb.WaitTransferResponse | None:
+        """See AsyncClient.settled: returns once nothing can write into the request's blocks."""
+        return self._run(self._async.settled(request_id, error))
 
     def watch_releases(self, max_events: int, timeout_s: float) -> list[pb.WatchReleasesResponse]:
         """Collect up to max_events releases, waiting at most timeout_s seconds."""
@@ -324,20 +369,22 @@ class Client:
                 pass
             return out
 
-        return self._runner.run(collect())
+        return self._run(collect())
 
 
 class SyncLeaseChannel:
     """A LeaseChannel driven by a Client's event loop: blocking claim_lease / notify / close."""
 
-    def __init__(self, runner: asyncio.Runner, channel: LeaseChannel) -> None:
-        self._runner, self._channel = runner, channel
+    def __init__(self, run: Callable[[Coroutine[Any, Any, Any]], Any], channel: LeaseChannel) -> None:
+        self._run, self._channel = run, channel
 
-    def claim_lease(self, request: pb.ClaimLeaseRequest, **kw: Any) -> pb.ClaimLeaseResponse:
-        return self._runner.run(self._channel.claim_lease(request, **kw))
+    def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
+                    traceparent: str = "") -> pb.ClaimLeaseResponse:
+        return self._run(self._channel.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent))  # type: ignore[no-any-return]
 
-    def notify(self, request: pb.NotifyRequest, **kw: Any) -> pb.NotifyResponse:
-        return self._runner.run(self._channel.notify(request, **kw))
+    def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
+               traceparent: str = "") -> pb.NotifyResponse:
+        return self._run(self._channel.notify(request, timeout_s=timeout_s, traceparent=traceparent))  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._runner.run(self._channel.close())
+        self._run(self._channel.close())

@@ -108,10 +108,23 @@ class CudaPool(Pool):
 
     def __init__(self, rank: int, size_bytes: int, device: int, wrap: bool = False) -> None:
         """wrap: device is a default (one GPU per rank): fold it onto the devices present."""
-        import torch  # server-side only; clients never import torch through kvsvc
-
+        torch: Any
+        try:
+            import torch  # server-side only; clients never import torch through kvsvc
+        except ImportError:
+            torch = None
+        if torch is None or not torch.cuda.is_available():
+            why = "torch is not installed" if torch is None else (
+                "this torch is a CPU build" if not torch.backends.cuda.is_built() else "no CUDA device is visible")
+            raise FailedPrecondition("CUDA_UNAVAILABLE", f'memory = "vram" needs a CUDA device, and {why}; on a '
+                                     'machine without a GPU use memory = "dram" (--memory dram)',
+                                     {"rank": rank, "device": device})
         if wrap:
             device %= max(1, torch.cuda.device_count())
+        if not 0 <= device < torch.cuda.device_count():
+            raise FailedPrecondition("CUDA_UNAVAILABLE", f"CUDA device {device} of rank {rank} does not exist "
+                                     f"(this machine has {torch.cuda.device_count()})",
+                                     {"rank": rank, "device": device})
         self._tensor: Any = torch.zeros(size_bytes, dtype=torch.uint8, device=f"cuda:{device}")
         super().__init__(rank, size_bytes, int(self._tensor.data_ptr()))
         self.device_id = device

@@ -1,10 +1,10 @@
-"""Every grpcurl line of the README, run with the real grpcurl binary against a live `kvsvc serve`."""
+"""Every grpcurl line of the README, run as pasted (from the repository root, venv not
+activated) with the real grpcurl binary against a live `kvsvc serve`."""
 
 from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from kvsvc.cli.procs import start_server
 from kvsvc.config import DEFAULT_LAYOUT
 
 ROOT = Path(__file__).resolve().parents[2]
-GRPCURL = Path(sys.executable).parent / "grpcurl"
+PASTED = ".venv/bin/grpcurl "
 
 
 def readme_commands() -> list[tuple[str, str]]:
@@ -21,7 +21,7 @@ def readme_commands() -> list[tuple[str, str]]:
     block = text.split("<!-- grpcurl:begin -->")[1].split("<!-- grpcurl:end -->")[0]
     out = []
     for line in block.splitlines():
-        if line.startswith("grpcurl "):
+        if line.startswith(PASTED):
             cmd, expect = line.split("  # -> ")
             out.append((cmd, expect))
     return out
@@ -46,9 +46,10 @@ def test_readme_has_the_workflows():
 
 @pytest.mark.parametrize(("cmd", "expect"), COMMANDS, ids=[f"{i}" for i in range(len(COMMANDS))])
 def test_readme_command(server, cmd, expect):
-    argv = shlex.split(cmd.replace("localhost:50051", server.address))
-    argv[0] = str(GRPCURL)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if not (ROOT / PASTED.strip()).exists():
+        pytest.fail(f"{PASTED.strip()} is missing: `make test` installs grpcurl into the venv")
+    argv = shlex.split(cmd.replace("localhost:50051", server.address))  # the one edit: the test server's port
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
     assert expect in proc.stdout + proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
     if "-format-error" not in cmd:
         assert proc.returncode == 0, proc.stderr

@@ -49,3 +49,82 @@ async def test_node_transfer_and_lease_expired():
             finally:
                 pe.close()
                 de.close()
+
+
+async def run_node_in(cwd: Path, code: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(NODE, "-e", code, cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_the_packed_package_installs_and_carries_its_protos(tmp_path):
+    """npm pack -> npm install the tarball in an empty project -> require it by name and call
+    a live server: the package works outside this repository, with the .proto it carries."""
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed")
+    pack = await asyncio.create_subprocess_exec(npm, "pack", "--silent", "--pack-destination", str(tmp_path),
+                                                cwd=NODE_DIR, stdout=asyncio.subprocess.PIPE)
+    tarball = tmp_path / (await pack.communicate())[0].decode().strip().splitlines()[-1]
+    assert pack.returncode == 0 and tarball.exists()
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "package.json").write_text('{"name": "app", "version": "1.0.0"}')
+    install = await asyncio.create_subprocess_exec(npm, "install", "--prefer-offline", "--no-audit", "--no-fund",
+                                                   "--loglevel=error", str(tarball), cwd=app)
+    assert await asyncio.wait_for(install.wait(), 300) == 0
+    layout = layout_table(k=4)
+    with servers(1, 1, layout) as (p, _d):
+        rc, out, err = await run_node_in(app, (
+            "const k = require('kvsvc-client');"
+            f"const c = new k.KvsvcClient('{p.address}');"
+            "c.getInfo().then((i) => { console.log(JSON.stringify({engine: i.engine_id, proto: k.PROTO_ROOT}));"
+            " c.close(); }).catch((e) => { console.error(e); process.exit(1); });"))
+    assert rc == 0, err
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["engine"] == "e2e-prefill"
+    assert Path(got["proto"]).resolve().is_relative_to((app / "node_modules" / "kvsvc-client").resolve())
+
+
+async def test_only_idempotent_calls_are_retried_and_only_when_no_server_answered():
+    """Against an address nothing listens on: GetInfo and Transfer are retried `retries`
+    times, PublishBlocks never; a server's own error is never retried."""
+    code = """
+const k = require('./kvsvc');
+const seen = [];
+const c = new k.KvsvcClient(process.argv[1], { retries: 2, backoffMs: 5, timeoutMs: 5000,
+                                              onRetry: (rpc, attempt) => seen.push(`${rpc}#${attempt}`) });
+(async () => {
+  const out = {};
+  for (const call of ['getInfo', 'transfer', 'publishBlocks']) {
+    try { await c[call]({ request_id: 'r' }); out[call] = 'ok'; } catch (e) { out[call] = e.code; }
+  }
+  console.log(JSON.stringify({ out, seen, answered: process.argv[2] }));
+  c.close();
+})();
+"""
+    layout = layout_table(k=4)
+    with servers(1, 1, layout) as (p, _d):
+        dead = f"127.0.0.1:{_free_port()}"
+        results = []
+        for address in (dead, p.address):
+            proc = await asyncio.create_subprocess_exec(NODE, "-e", code, address, address, cwd=NODE_DIR,
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 0, err.decode()
+            results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    unreachable, live = results
+    assert unreachable["out"] == {"getInfo": "UNAVAILABLE", "transfer": "UNAVAILABLE", "publishBlocks": "UNAVAILABLE"}
+    assert unreachable["seen"] == ["GetInfo#1", "GetInfo#2", "Transfer#1", "Transfer#2"]
+    # The P server answers: GetInfo works, Transfer is refused by it (a prefill server), no retry.
+    assert live["out"]["getInfo"] == "ok" and live["out"]["transfer"] not in ("ok", "UNAVAILABLE")
+    assert live["seen"] == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from google.protobuf import json_format
-
+from kvsvc.client.params import params_from_json, params_to_dict
 from kvsvc.errors import InvalidArgument
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -26,7 +25,7 @@ def to_vllm(params: pb.TransferParams, *, num_tokens: int, tp_size: int, dcp_siz
         "remote_num_tokens": num_tokens,
         "tp_size": tp_size,
         "dcp_size": dcp_size,
-        KEY: json_format.MessageToDict(params, preserving_proto_field_name=True),
+        KEY: params_to_dict(params),
     }
 
 
@@ -41,9 +40,9 @@ def from_vllm(params: Mapping[str, Any]) -> pb.TransferParams:
     if not isinstance(raw, dict):
         raise InvalidArgument("BAD_TRANSFER_PARAMS", f"kv_transfer_params has no {KEY!r} object", {"key": KEY})
     try:
-        return json_format.ParseDict(raw, pb.TransferParams())
-    except json_format.ParseError as e:
-        raise InvalidArgument("BAD_TRANSFER_PARAMS", f"kv_transfer_params[{KEY!r}] does not parse: {e}"[:300],
+        return params_from_json(raw)  # either spelling of each field: remote_address or remoteAddress
+    except InvalidArgument as e:
+        raise InvalidArgument("BAD_TRANSFER_PARAMS", f"kv_transfer_params[{KEY!r}]: {e.message}"[:300],
                               {"key": KEY}) from e
 
 
