@@ -31,7 +31,15 @@ def test_every_rpc_has_a_client_method():
 def test_client_import_is_light():
     import kvsvc.client as c
 
-    assert set(c.__all__) == {"AsyncClient", "Client", "ClientOptions", "error_from_rpc"}
+    assert set(c.__all__) == {"AsyncClient", "Client", "ClientOptions", "error_from_rpc", "params_from_json",
+                              "params_to_json"}
+    import subprocess
+    import sys
+
+    loaded = subprocess.run([sys.executable, "-c", "import sys, kvsvc.client; print(' '.join(sys.modules))"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    heavy = {m for m in loaded if m.split(".")[0] in ("torch", "nixl", "numpy", "opentelemetry", "uvloop")}
+    assert not heavy, heavy
 
 
 def test_keepalive_within_server_permit_policy():
