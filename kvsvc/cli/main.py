@@ -44,6 +44,12 @@ def _engines(args: argparse.Namespace) -> int:
     return run_engines(args.etcd, args.engine, args.etcd_prefix, args.json, args.watch)
 
 
+def _health(args: argparse.Namespace) -> int:
+    from kvsvc.cli.health import run_health
+
+    return run_health(args.address, _client_options(args), args.service)
+
+
 def _leases(args: argparse.Namespace) -> int:
     from kvsvc.cli.leases import print_leases
 
@@ -110,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("address", nargs="?", default="127.0.0.1:50051")
     _connection_arguments(i)
     i.set_defaults(func=_info)
+
+    h = sub.add_parser("health", help="the gRPC health check (exit 0: SERVING), over TLS when asked: for probes")
+    h.add_argument("address", nargs="?", default="127.0.0.1:50051")
+    h.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    _connection_arguments(h)
+    h.set_defaults(func=_health)
 
     ls = sub.add_parser("leases", help="list a server's live leases, peers and running transfers (read only)")
     ls.add_argument("address", nargs="?", default="127.0.0.1:50051")

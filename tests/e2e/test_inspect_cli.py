@@ -76,3 +76,21 @@ def test_serve_prints_bound_and_advertised_addresses(tmp_path):
         assert json.loads(info.stdout)["advertised_address"] == "10.9.8.7:4321"
     finally:
         sp.stop()
+
+
+def test_health_answers_serving_over_mutual_tls_and_fails_otherwise(tmp_path):
+    """`kvsvc health` is what the Kubernetes probes run: SERVING -> 0, anything else -> 1."""
+    certs = make_pki(tmp_path, ["tls-h"])
+    ca = str(tmp_path / "ca.pem")
+    p = start_server(engine_id="tls-h", role="prefill", tp_size=1, layout=layout_table(k=4), memory="none",
+                     config_file=server_config(tmp_path, "tls-h", certs))
+    tls = ["--ca", ca, "--cert", str(certs["tls-h"][0]), "--key", str(certs["tls-h"][1]), "--server-name", "tls-h"]
+    try:
+        ok = kvsvc("health", p.address, *tls)
+        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok
+        no_cert = kvsvc("health", p.address, "--ca", ca, "--server-name", "tls-h", "--timeout", "3")
+        assert no_cert.returncode == 1 and "kvsvc health:" in no_cert.stderr, no_cert  # mTLS wants a certificate
+    finally:
+        assert p.stop() == 0
+    gone = kvsvc("health", p.address, *tls, "--timeout", "2")
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr and "Traceback" not in gone.stderr, gone
