@@ -1,5 +1,4 @@
-"""Regenerate (or, with --check, verify) the committed Python stubs of protos/ in kvsvc/v1/,
-and the copy of the .proto the Node.js package carries (clients/node/proto/)."""
+"""Regenerate (or, with --check, verify) the committed Python stubs of protos/ in kvsvc/v1/."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO = "kvsvc/v1/kv_transfer.proto"
 OUTPUTS = ("kv_transfer_pb2.py", "kv_transfer_pb2.pyi", "kv_transfer_pb2_grpc.py")
-NODE_COPY = ROOT / "clients" / "node" / "proto" / PROTO
 
 
 def generate(out_dir: Path) -> None:
@@ -33,18 +31,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--check", action="store_true", help="fail if the committed stubs are stale")
     opts = ap.parse_args()
-    source = ROOT / "protos" / PROTO
     if not opts.check:
         generate(ROOT)
-        NODE_COPY.parent.mkdir(parents=True, exist_ok=True)
-        NODE_COPY.write_bytes(source.read_bytes())
-        print(f"regenerated {', '.join(OUTPUTS)} in kvsvc/v1/ and {NODE_COPY.relative_to(ROOT)}")
+        print(f"regenerated {', '.join(OUTPUTS)} in kvsvc/v1/")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
         stale = [f for f in OUTPUTS if not filecmp.cmp(Path(tmp) / "kvsvc/v1" / f, ROOT / "kvsvc/v1" / f, shallow=False)]
-    if not NODE_COPY.exists() or NODE_COPY.read_bytes() != source.read_bytes():
-        stale.append(str(NODE_COPY.relative_to(ROOT)))
     if stale:
         print(f"stale generated code: {stale}; run `make proto`", file=sys.stderr)
         return 1

@@ -1,16 +1,20 @@
 'use strict';
-// Node.js client of kvsvc.v1. Loads the kv_transfer.proto this package carries (proto/,
-// a copy of the repository's protos/ that `make proto` keeps in step) at runtime (uint64
-// as strings, enums as strings, field names as in the .proto), turns google.rpc.Status
-// error details into KvsvcError {code, reason, metadata}, and retries idempotent calls
-// that never reached a server.
+// Node.js client of kvsvc.v1. Loads kv_transfer.proto at runtime (uint64 as strings, enums
+// as strings, field names as in the .proto), turns google.rpc.Status error details into
+// KvsvcError {code, reason, metadata}, and retries idempotent calls that never reached a
+// server. The .proto is the repository's protos/ when used from a checkout, and the copy
+// `npm pack` puts into the package (proto/, see package.json) once installed elsewhere.
 
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
 
-const PROTO_ROOT = process.env.KVSVC_PROTO_ROOT || path.resolve(__dirname, 'proto');
+const fs = require('fs');
+
+const PACKED = path.resolve(__dirname, 'proto');
+const PROTO_ROOT = process.env.KVSVC_PROTO_ROOT
+  || (fs.existsSync(PACKED) ? PACKED : path.resolve(__dirname, '..', '..', 'protos'));
 const PROTO_FILE = 'kvsvc/v1/kv_transfer.proto';
 
 const LOADER_OPTIONS = { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true, includeDirs: [PROTO_ROOT] };
