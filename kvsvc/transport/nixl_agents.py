@@ -209,6 +209,7 @@ class NixlDataPlane:
         self._closed = True
         if not self._thread.alive:  # crashed: nothing can be called on it any more
             self.agents.clear()
+            self._thread.stop()  # releases what the thread kept (its wake-up pipe)
             remove_log(self._ucx_log)
             return
         for ra in self.agents.values():
