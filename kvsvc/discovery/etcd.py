@@ -1,6 +1,6 @@
 """A small asyncio client for etcd v3, over its JSON gateway (/v3/...), standard library only.
 
-kvsvc needs six calls -- grant, keep alive and revoke a lease; put, range and delete keys --
+kvsvc needs five calls -- grant, keep alive and revoke a lease; put and range over keys --
 and one stream, a watch. The gateway speaks them as JSON over HTTP (keys and values base64),
 so no generated etcd stubs and no second gRPC stack are needed. Each call runs in a worker
 thread (http.client blocks); a watch holds one thread and one connection for its life and
@@ -95,7 +95,6 @@ class KeyValue:
     key: str
     value: bytes
     lease: int = 0
-    mod_revision: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +102,10 @@ class WatchEvent:
     kind: str  # "PUT" or "DELETE"
     key: str
     value: bytes  # empty for DELETE
-    revision: int
 
 
 class EtcdClient:
-    """grant / keepalive / revoke / put / get_prefix / delete / watch_prefix against etcd v3."""
+    """grant / keepalive / revoke / put / get_prefix / watch_prefix against etcd v3."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0) -> None:
         self.endpoints = parse_endpoints(endpoints)
@@ -142,17 +140,12 @@ class EtcdClient:
         resp = await self._post("/v3/kv/put", body)
         return int(resp.get("header", {}).get("revision", 0))
 
-    async def delete(self, key: str) -> int:
-        """Delete key; how many keys went."""
-        resp = await self._post("/v3/kv/deleterange", {"key": _b64(key.encode())})
-        return int(resp.get("deleted", 0))
-
     async def get_prefix(self, prefix: str) -> tuple[int, list[KeyValue]]:
         """(revision, every key under prefix) in one consistent read."""
         p = prefix.encode()
         resp = await self._post("/v3/kv/range", {"key": _b64(p), "range_end": _b64(prefix_end(p))})
         kvs = [KeyValue(_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", "")),
-                        int(kv.get("lease", 0)), int(kv.get("mod_revision", 0))) for kv in resp.get("kvs", [])]
+                        int(kv.get("lease", 0))) for kv in resp.get("kvs", [])]
         return int(resp.get("header", {}).get("revision", 0)), kvs
 
     def watch_prefix(self, prefix: str, start_revision: int = 0) -> EtcdWatch:
@@ -210,12 +203,7 @@ class EtcdWatch:
         self._conn: http.client.HTTPConnection | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvsvc-etcd-watch", daemon=True)
-        self._started = asyncio.Event()  # set once etcd confirmed the watch
         self._thread.start()
-
-    async def started(self, timeout_s: float | None = None) -> None:
-        """Wait until etcd confirmed the watch (events after this are never missed)."""
-        await asyncio.wait_for(self._started.wait(), timeout_s or self._client.timeout_s)
 
     def __aiter__(self) -> AsyncIterator[WatchEvent]:
         return self._events()
@@ -293,12 +281,9 @@ class EtcdWatch:
                 if msg.get("error") or result.get("canceled"):
                     return Unavailable("ETCD_WATCH_BROKEN", f"etcd ended the watch: "
                                        f"{str(msg.get('error') or result.get('cancel_reason'))[:200]}")
-                if result.get("created"):
-                    self._loop.call_soon_threadsafe(self._started.set)
-                revision = int(result.get("header", {}).get("revision", 0))
                 for ev in result.get("events", []):
                     kv = ev.get("kv", {})
                     self._emit(WatchEvent("DELETE" if ev.get("type") == "DELETE" else "PUT",
                                           _unb64(kv.get("key", "")).decode(errors="replace"),
-                                          _unb64(kv.get("value", "")), int(kv.get("mod_revision", revision))))
+                                          _unb64(kv.get("value", ""))))
         return None

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from kvsvc.discovery.etcd import EtcdClient, WatchEvent
 from kvsvc.errors import InvalidArgument, KvsvcError
@@ -44,7 +44,6 @@ class ServerRecord:
     layout_hash: str = ""
     dcp_size: int = 1
     server_version: str = ""
-    extra: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -59,8 +58,7 @@ class ServerRecord:
             rec = cls(engine_id=str(d["engine_id"]), role=str(d["role"]), tp_size=int(d["tp_size"]),
                       ranks=[int(r) for r in d["ranks"]], address=str(d["address"]), epoch=int(d["epoch"]),
                       layout_hash=str(d.get("layout_hash", "")), dcp_size=int(d.get("dcp_size", 1)),
-                      server_version=str(d.get("server_version", "")),
-                      extra={str(k): str(v) for k, v in dict(d.get("extra", {})).items()})
+                      server_version=str(d.get("server_version", "")))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument("DISCOVERY_RECORD_INVALID", f"not a kvsvc server record: {e}") from None
         check_id(rec.engine_id, "engine_id")
