@@ -188,6 +188,14 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         from kvsvc.service.tracing import install_otlp
 
         install_otlp(config.otlp_endpoint, f"kvsvc-{config.engine_id}")
+    # Signals first: a supervisor may send SIGTERM the moment it reads the "listening" line
+    # below, and a SIGTERM before the handler exists would kill the process without unlinking
+    # its pools. One during the start is kept and acted on once the server is up.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    install_stack_dump(loop)  # kill -USR1: where every thread and task is waiting
     running, _ = await create_server(config)
     if running.metrics_address:  # before the line that says the server is ready
         print(f"kvsvc metrics on http://{running.metrics_address}/metrics", flush=True)
@@ -195,11 +203,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     advertised = f", advertised to peers as {running.node.address}" if running.node.address != bound else ""
     print(f"kvsvc listening on {bound}{advertised} (engine {config.engine_id}, TP ranks "
           f"{list(config.ranks)}/{config.tp_size})", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    install_stack_dump(loop)  # kill -USR1: where every thread and task is waiting
     if ready is not None:
         ready.set()
     try:

@@ -4,6 +4,7 @@ a decode engine split over two servers, and `kvsvc info`."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,36 @@ def test_sigterm_stops_cleanly_and_frees_shared_memory():
     assert sp.stop() == 0
     assert shm_segments("life-term") == [], "pools must be unlinked on shutdown"
     assert not list(Path("/tmp").glob(f"kvsvc-ucx-{sp.proc.pid}.log"))
+
+
+SIGTERM_DURING_START = """
+import asyncio, json, os, signal, sys
+import kvsvc.service.server as server
+from kvsvc.cli.main import main
+
+real = server.create_server
+
+async def create_then_sigterm(config):
+    # the moment a supervisor may send it: the server built, the "listening" line not yet printed
+    out = await real(config)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(0.05)
+    return out
+
+server.create_server = create_then_sigterm
+sys.exit(main(["serve", "--listen", "127.0.0.1:0", "--engine-id", "life-early", "--role", "both",
+               "--tp-size", "2", "--memory", "dram", "--layout-json", sys.argv[1]]))
+"""
+
+
+def test_sigterm_during_start_is_kept_and_stops_cleanly():
+    """A SIGTERM that lands while the server starts (a supervisor reading the ready line) must
+    not kill it with its pools still in /dev/shm: it shuts down cleanly once up."""
+    out = subprocess.run([sys.executable, "-c", SIGTERM_DURING_START, json.dumps(LAYOUT)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert "kvsvc listening on" in out.stdout
+    assert shm_segments("life-early") == [], "pools must be unlinked on shutdown"
 
 
 def test_kvsvc_info_prints_readably():
