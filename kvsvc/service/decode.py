@@ -332,9 +332,7 @@ class Decoder:
         keepers: list[asyncio.Future[None]] = []
         try:
             for t, (rr, la, ra, ln) in reads:
-                notif = f"{p.remote_request_id}:{t}".encode()  # P-side id, always
-                post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, notif, rr.memory_kind,
-                                                       rr.device_id))
+                post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, rr.memory_kind, rr.device_id))
                 try:
                     fl = await asyncio.shield(post)
                 except asyncio.CancelledError:
