@@ -106,8 +106,12 @@ class Node:
             pool.close()
 
     def _claims_changed(self, delta: int) -> None:
-        # While a lease is claimed a peer may be reading: keep our agents progressing.
-        if self.data is not None:
+        # While a lease is claimed a peer may be reading: keep our agents progressing (UCX
+        # on a target that never progresses stalls a reader after a while). Only the first
+        # claim and the last release are passed on: every job the NIXL thread gets restarts
+        # its pump at the shortest sleep, and one per claim kept a busy P pumping flat out.
+        claimed = self.leases.claimed_count
+        if self.data is not None and ((delta > 0 and claimed == 1) or (delta < 0 and claimed == 0)):
             self.data.need_progress(delta)
 
     # ---- checks ---------------------------------------------------------------------

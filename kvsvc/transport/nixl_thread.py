@@ -2,9 +2,10 @@
 
 NIXL is not thread-safe, and with its own progress thread off (twice the bandwidth on
 small machines) someone must drive progress. Both jobs live here: the thread executes
-queued calls and, while transfers are in flight or peers may be reading, polls their
-state with short sleeps that grow to PROGRESS_MAX_SLEEP_S. With nothing in flight it
-blocks on its queue and uses no CPU. Results reach asyncio as futures resolved with
+queued calls and, while its own transfers are in flight, polls them with short sleeps
+that grow to INFLIGHT_MAX_SLEEP_S; while only peers may be reading (a claimed lease), it
+progresses its agents every PROGRESS_MAX_SLEEP_S. With neither it blocks on its queue
+and uses no CPU. Results reach asyncio as futures resolved with
 call_soon_threadsafe; nothing polls on the event loop.
 
 The thread waits for work with select() on a pipe that every submission writes a byte
@@ -286,8 +287,15 @@ class NixlThread:
     def _main(self) -> None:
         sleep = PROGRESS_MIN_SLEEP_S
         while True:
-            busy = bool(self._inflight) or (self._progress_refs > 0 and bool(self._progress_agents))
-            job = self._next_job(sleep if busy else None)
+            if self._inflight:  # our own READs: short sleeps, the copy moves inside progress calls
+                timeout: float | None = sleep
+            elif self._progress_refs > 0 and self._progress_agents:
+                # Only peers' READs, which complete without us (they carry no notification):
+                # progress keeps UCX's endpoints healthy, and a slow beat does that.
+                timeout = PROGRESS_MAX_SLEEP_S
+            else:
+                timeout = None
+            job = self._next_job(timeout)
             if job is _STOP:
                 self._drain_for_stop()
                 return
@@ -297,7 +305,7 @@ class NixlThread:
             if self._poll():
                 sleep = PROGRESS_MIN_SLEEP_S
             elif job is None:
-                sleep = min(sleep * 2, INFLIGHT_MAX_SLEEP_S if self._inflight else PROGRESS_MAX_SLEEP_S)
+                sleep = min(sleep * 2, INFLIGHT_MAX_SLEEP_S)
 
     def _next_job(self, timeout_s: float | None) -> Any:
         """The next queued job, waiting up to timeout_s (None: until one comes); None if none came.
