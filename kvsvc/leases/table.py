@@ -197,12 +197,27 @@ class LeaseTable:
         return lease
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
-              d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1) -> Lease:
+              d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
+              consumed: bool = False) -> Lease:
         """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
 
         A lease has one owner per D rank: another claim_id for overlapping ranks, or any
-        claim from another D engine, is refused with LEASE_CLAIMED.
+        claim from another D engine, is refused with LEASE_CLAIMED. consumed: the claimant
+        read before claiming; its ranks are reported consumed in the same step (the lease is
+        released once every D rank it waits for has been), so the grant itself is the proof
+        that the lease was never released while they read.
         """
+        lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
+                            d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size)
+        if consumed:
+            assert lease.tracker is not None
+            lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
+            if lease.tracker.done:
+                self._release(lease, LeaseState.CONSUMED)
+        return lease
+
+    def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
+               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int) -> Lease:
         lease = self._live_lease(request_id, epoch)
         _check_token(lease, token)
         tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
@@ -377,8 +392,11 @@ class LeaseTable:
             self.expire_due()
             self._wake.clear()
             timeout = max(0.0, self._heap[0][0] - time.monotonic()) if self._heap else None
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for swallows a cancel that
+            # arrives as the wake-up event is set, and close() then waited forever.
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

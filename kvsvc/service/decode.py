@@ -1,4 +1,4 @@
-"""The D side: one Transfer = plan + claim + NIXL READs on every hosted rank + await + Notify."""
+"""The D side: one Transfer = plan + NIXL READs on every hosted rank + await + claim (consumed)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from kvsvc.errors import (
     DeadlineExceeded,
     ErrorCode,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     KvsvcError,
     PermissionDenied,
@@ -56,7 +57,7 @@ from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
 from kvsvc.service.stacks import await_chain
 from kvsvc.service.tracing import Clock, mark_error, record_phases, record_span, server_span, traceparent
 from kvsvc.service.transfers import TransferJobs, fingerprint
-from kvsvc.transport.nixl_thread import InFlight
+from kvsvc.transport.nixl_thread import InFlight, TransferError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,13 @@ MIN_DEADLINE_MARGIN_S = 0.05
 MAX_DEADLINE_MARGIN_S = 1.0
 # A Transfer called without a deadline still ends.
 NO_DEADLINE_S = 600.0
+
+# How a failed READ is reported (NixlDataPlane's post errors and _all_read's).
+READ_FAILURES = ("TRANSFER_FAILED", "NIXL_ERROR")
+
+# READs still running this long after they were posted claim the lease before they end
+# (see Decoder._transfer); shorter ones claim it and report it consumed in one message.
+EARLY_CLAIM_S = 0.01
 
 
 @dataclass
@@ -101,6 +109,14 @@ def _addresses(node: Node, ranks: dict[int, RemoteRank],
         out.append((rr, local_base[reads.local_region] + reads.local_offset,
                     remote_base[reads.remote_region] + reads.remote_offset, reads.length))
     return out
+
+
+async def _all_read(posted: list[Posted]) -> None:
+    """Until every posted READ completed; TRANSFER_FAILED when one failed."""
+    try:
+        await asyncio.gather(*(x.flight.result for x in posted))
+    except TransferError as e:
+        raise Internal("TRANSFER_FAILED", f"a READ failed: {e}") from e
 
 
 async def _settle_post(post: asyncio.Future[InFlight]) -> bool:
@@ -312,24 +328,16 @@ class Decoder:
                         traceparent(span))
 
         posted: list[Posted] = []
-        # The claim goes out with the READs instead of before them: P's answer and the bytes
-        # travel at the same time. What makes the bytes good is unchanged -- the claim must be
-        # granted (the lease was unreleased when P granted it, and from then on only this
-        # claim can release it), the READs must end before the claim's deadline, and the
-        # final CONSUMED must find the claim still held (P alive and holding the blocks after
-        # the last byte arrived). A refused claim fails the transfer once its READs settled;
-        # what they wrote into this request's own blocks is reported invalid.
-        claimed = asyncio.ensure_future(claim_all(legs, own, self._rpc_timeout(deadline)))
-        claim_sent = time.perf_counter()
-
-        def claim_answered(f: asyncio.Future[None]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                answered = time.perf_counter()
-                self.node.metrics.lease_call("claim", answered - claim_sent)
-                record_span(span, clock, "claim", claim_sent, answered)
-
-        claimed.add_done_callback(claim_answered)
+        # Read first, then claim: one lease message per transfer, sent once the READs are
+        # done, that claims the lease and reports it consumed at once. P grants it only if
+        # the lease was never released since it was published, and P frees blocks only on
+        # release, so the grant proves every byte read (docs/RELIABILITY.md, promise 1). A
+        # read still running after EARLY_CLAIM_S claims the lease while it runs: the claim
+        # extends the lease, heartbeats keep it, a router can no longer abort it, and the
+        # final CONSUMED must find the claim still held.
+        claimed: asyncio.Future[None] | None = None
         keepers: list[asyncio.Future[None]] = []
+        reads_done: asyncio.Future[None] | None = None
         try:
             for t, (rr, la, ra, ln) in reads:
                 post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, rr.memory_kind, rr.device_id))
@@ -343,29 +351,46 @@ class Decoder:
                     raise
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
-            keepers = [asyncio.ensure_future(heartbeat(leg, own, claimed)) for leg in legs]
-            both = asyncio.gather(claimed, *(x.flight.result for x in posted))
+            reads_done = asyncio.ensure_future(_all_read(posted))
             try:
-                await asyncio.wait_for(both, max(0.0, deadline - time.monotonic()))
-            except TimeoutError as e:
-                raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
-                                       {"request_id": req.request_id}) from e
-            finally:
-                if both.done() and not both.cancelled():
-                    both.exception()  # raised above, or a cancellation of its parts: seen either way
+                async with asyncio.timeout(min(EARLY_CLAIM_S, self._left(deadline))):  # not wait_for:
+                    await asyncio.shield(reads_done)  # in 3.11 it can swallow a cancel that races the result
+            except TimeoutError:
+                claimed = self._claim(legs, own, deadline, span, clock)
+                keepers = [asyncio.ensure_future(heartbeat(leg, own, claimed)) for leg in legs]
+                both = asyncio.gather(claimed, reads_done)
+                try:
+                    async with asyncio.timeout(self._left(deadline)):
+                        await both
+                except TimeoutError as e:
+                    raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
+                                           {"request_id": req.request_id}) from e
+                finally:
+                    if both.done() and not both.cancelled():
+                        both.exception()  # raised above, or a cancellation of its parts: seen either way
             marks.append(("reads", time.perf_counter()))
-            if any(leg.clock is not None and leg.clock.expired for leg in legs):
-                raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
-                                         {"request_id": p.remote_request_id})
             confirm_sent = time.perf_counter()
-            await confirm_all(legs, own, self._rpc_timeout(deadline))
-            self.node.metrics.lease_call("confirm", time.perf_counter() - confirm_sent)
+            if claimed is None:
+                await claim_all(legs, own, self._rpc_timeout(deadline), consumed=True)
+                self.node.metrics.lease_call("claim_consumed", time.perf_counter() - confirm_sent)
+            else:
+                if any(leg.clock is not None and leg.clock.expired for leg in legs):
+                    raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
+                                             {"request_id": p.remote_request_id})
+                await confirm_all(legs, own, self._rpc_timeout(deadline))
+                self.node.metrics.lease_call("confirm", time.perf_counter() - confirm_sent)
         except BaseException as e:
             # A cancelled or lost claim may have gone through: abort it like any failure. A
             # refused one is P's answer to pass on (it explains a READ that failed alongside,
             # e.g. from a P that restarted), once the READs it raced with settled.
+            if reads_done is not None and reads_done.done() and not reads_done.cancelled():
+                reads_done.exception()  # a failed READ: raised above or superseded by err
             err = e.error if isinstance(e, ClaimRefused) else e
-            if not isinstance(e, (ClaimRefused, asyncio.CancelledError)):
+            if claimed is None and isinstance(e, KvsvcError) and e.reason in READ_FAILURES:
+                # A READ failed before any claim: P's answer explains it better (a P that
+                # restarted says LEASE_EXPIRED), and a granted claim is aborted below.
+                claimed = self._claim(legs, own, deadline, span, clock)
+            if claimed is not None and not isinstance(e, (ClaimRefused, asyncio.CancelledError)):
                 refused = await _claim_refusal(claimed, self._rpc_timeout(deadline))
                 err = refused.error if refused is not None else e
             final = await self._fail(legs, own, posted, err, deadline, claimed)
@@ -393,6 +418,25 @@ class Decoder:
             r.duration_us = max(r.duration_us, int(x.flight.result.result() * 1e6))
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in posted),
                                    duration_us=int((time.perf_counter() - started) * 1e6))
+
+    def _claim(self, legs: list[Leg], own: Ownership, deadline: float, span: trace.Span,
+               clock: Clock) -> asyncio.Future[None]:
+        """Claim the lease while a long read runs (its answer measured and traced)."""
+        claimed = asyncio.ensure_future(claim_all(legs, own, self._rpc_timeout(deadline)))
+        sent = time.perf_counter()
+
+        def answered(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                now = time.perf_counter()
+                self.node.metrics.lease_call("claim", now - sent)
+                record_span(span, clock, "claim", sent, now)
+
+        claimed.add_done_callback(answered)
+        return claimed
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - time.monotonic())
 
     def _rpc_timeout(self, deadline: float) -> float:
         """A peer RPC's timeout: the configured one, but never past the job's deadline."""
@@ -444,7 +488,7 @@ class Decoder:
         failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
         final: BaseException = err
         p_unreachable = isinstance(err, KvsvcError) and err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
-        read_failed = isinstance(err, KvsvcError) and err.reason in ("TRANSFER_FAILED", "NIXL_ERROR")
+        read_failed = isinstance(err, KvsvcError) and err.reason in READ_FAILURES
         if p_unreachable or (read_failed and gone):
             address = gone[0] if gone else legs[0].peer.address
             final = Unavailable("PEER_UNAVAILABLE", f"prefill server {address} stopped answering: {err}",

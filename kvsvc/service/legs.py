@@ -145,18 +145,26 @@ class Ownership:
                                 lease_token=p.lease_token, claim_id=self.claim_id)
 
 
-async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None:
+async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed: bool = False) -> None:
     """Claim at every P server at once; raise if any claim did not hold (ClaimRefused when
-    every server that answered said no, so there is nothing of ours to abort)."""
+    every server that answered said no, so there is nothing of ours to abort).
+
+    consumed: the READs are done; each grant also reports this leg's ranks consumed, and
+    is the proof that P held the blocks, unreleased, from publish until after they were read.
+    """
     async def claim(leg: Leg) -> None:
         p = own.params
         leg.claim = ClaimState.SENT
         resp = await leg.peer.lease_calls.claim_lease(pb.ClaimLeaseRequest(
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
-            dcp_size=own.dcp_size),
+            dcp_size=own.dcp_size, consumed=consumed),
             timeout_s=timeout_s, traceparent=own.traceparent)
         leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
+        if consumed and resp.state == pb.LEASE_STATE_UNSPECIFIED:
+            # A P server older than `consumed` took it as a plain claim: the grant proves the
+            # bytes all the same (the lease was live), but P's blocks wait for a CONSUMED.
+            await confirm_all([leg], own, timeout_s)
 
     outcomes = await asyncio.gather(*(claim(leg) for leg in legs), return_exceptions=True)
     errors = []

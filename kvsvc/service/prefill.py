@@ -84,6 +84,7 @@ def handshake(node: Node, req: pb.HandshakeRequest, peer_names: Sequence[str] = 
     # not progress would stall that, so progress for a while.
     data.need_progress(+1)
     asyncio.get_running_loop().call_later(HANDSHAKE_PROGRESS_S, data.need_progress, -1)
+    data.beat_when_idle()  # READs without a claim come later, and need our endpoints alive
     return pb.HandshakeResponse(
         engine_id=node.config.engine_id, epoch=node.epoch, tp_size=node.config.tp_size,
         layout=layout_to_proto(node.layout),
@@ -163,9 +164,12 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
         raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", "INVALID_DCP_SIZE")
     lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
                                      d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
-                                     extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp)
+                                     extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed)
+    if lease.state.released:
+        return pb.ClaimLeaseResponse(state=pb.LEASE_STATE_CONSUMED)
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
-                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)),
+                                 state=pb.LEASE_STATE_CLAIMED)
 
 
 def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:

@@ -203,6 +203,10 @@ class NixlDataPlane:
     def need_progress(self, delta: int) -> None:
         self._thread.need_progress(delta)
 
+    def beat_when_idle(self) -> None:
+        """Peers read from us now: keep our UCX endpoints answering (a slow beat)."""
+        self._thread.beat_when_idle()
+
     @property
     def alive(self) -> bool:
         return self._thread.alive

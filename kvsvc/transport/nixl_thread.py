@@ -4,8 +4,8 @@ NIXL is not thread-safe, and with its own progress thread off (twice the bandwid
 small machines) someone must drive progress. Both jobs live here: the thread executes
 queued calls and, while its own transfers are in flight, polls them with short sleeps
 that grow to INFLIGHT_MAX_SLEEP_S; while only peers may be reading (a claimed lease), it
-progresses its agents every PROGRESS_MAX_SLEEP_S. With neither it blocks on its queue
-and uses no CPU. Results reach asyncio as futures resolved with
+progresses its agents every PROGRESS_MAX_SLEEP_S. With neither it blocks on its queue,
+waking once every IDLE_BEAT_S after peers connected (UCX needs that much, see there). Results reach asyncio as futures resolved with
 call_soon_threadsafe; nothing polls on the event loop.
 
 The thread waits for work with select() on a pipe that every submission writes a byte
@@ -37,6 +37,10 @@ PROGRESS_MAX_SLEEP_S = 1e-3
 INFLIGHT_MAX_SLEEP_S = 200e-6
 """With READs in flight the pump sleeps at most this long: UCX moves shared-memory bytes
 inside the progress call, so a long sleep is time the copy stands still."""
+IDLE_BEAT_S = 1.0
+"""Once peers have connected, agents are progressed at least this often even with nothing
+to do: a UCX target that never progresses stalls its readers' next READ after some 20 s
+(measured here); a beat a second keeps the endpoints answering at no measurable CPU."""
 _STOP = object()
 
 
@@ -74,6 +78,7 @@ class NixlThread:
         self._inflight: list[InFlight] = []
         self._progress_agents: list[Any] = []
         self._progress_refs = 0
+        self._beat = False
         self._notif_sink: Callable[[Any, dict[str, list[bytes]]], None] | None = None
         self._thread = threading.Thread(target=self._run_main, name=name, daemon=True)
         self._started = False
@@ -148,10 +153,18 @@ class NixlThread:
         """+1 while a peer may be reading (a claimed lease), -1 when that ends."""
         self._submit((self._adjust_progress, (delta,), None, None))
 
+    def beat_when_idle(self) -> None:
+        """From now on progress the agents every IDLE_BEAT_S even with nothing to do."""
+        if not self._beat:
+            self._submit((self._start_beat, (), None, None))
+
     # ---- NIXL thread side -----------------------------------------------------------
 
     def _set_progress(self, agents: list[Any], sink: Callable[[Any, dict[str, list[bytes]]], None]) -> None:
         self._progress_agents, self._notif_sink = list(agents), sink
+
+    def _start_beat(self) -> None:
+        self._beat = True
 
     def _adjust_progress(self, delta: int) -> None:
         self._progress_refs = max(0, self._progress_refs + delta)
@@ -220,7 +233,7 @@ class NixlThread:
             progressed = True
             self._finish(fl, None if state == "DONE" else TransferError(f"transfer failed: {err or state}"))
         self._inflight = still
-        if self._progress_refs and self._progress_agents:
+        if (self._progress_refs or self._beat) and self._progress_agents:
             for agent in self._progress_agents:
                 try:
                     notifs = agent.get_new_notifs()
@@ -294,7 +307,7 @@ class NixlThread:
                 # progress keeps UCX's endpoints healthy, and a slow beat does that.
                 timeout = PROGRESS_MAX_SLEEP_S
             else:
-                timeout = None
+                timeout = IDLE_BEAT_S if self._beat and self._progress_agents else None
             job = self._next_job(timeout)
             if job is _STOP:
                 self._drain_for_stop()

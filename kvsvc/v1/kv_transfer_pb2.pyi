@@ -454,7 +454,7 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +464,7 @@ class ClaimLeaseRequest(_message.Message):
     CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
@@ -473,15 +474,18 @@ class ClaimLeaseRequest(_message.Message):
     claim_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     dcp_size: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ...) -> None: ...
+    consumed: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
-    __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms")
+    __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms", "state")
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     lease_expires_unix_ms: int
     lease_remaining_ms: int
-    def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
+    state: LeaseState
+    def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ...) -> None: ...
 
 class InlineRemote(_message.Message):
     __slots__ = ("layout", "tp_size")

@@ -124,8 +124,9 @@ class KvTransferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimLease(self, request, context):
-        """Peer-to-peer: D claims P's lease before reading; a claim also extends the lease. The
-        claim (its claim_id) then owns the lease for its D ranks: LEASE_CLAIMED for others.
+        """Peer-to-peer: D claims P's lease, after a short read together with reporting it
+        consumed, else while a long read runs (a claim also extends the lease). The claim
+        (its claim_id) then owns the lease for its D ranks: LEASE_CLAIMED for others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,7 +140,7 @@ class KvTransferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Transfer(self, request, context):
-        """On D: plan, claim, read with NIXL for every hosted rank, await, notify P. Runs as a
+        """On D: plan, read with NIXL for every hosted rank, claim and confirm at P. Runs as a
         job the server owns, keyed by the D-side request id: a retry with the same id, params
         and blocks joins it (or gets its outcome); the same id asking something else is
         ALREADY_EXISTS. It answers before the caller's deadline, with a TransferFailure

@@ -201,3 +201,54 @@ async def test_withdraw_ends_an_unclaimed_lease_without_a_release_event(table):
         assert e.value.reason == "LEASE_NOT_OWNER"
     finally:
         sub.close()
+
+
+def claim_consumed(table, rid, claim_id=CLAIM_A, *, tp=2, ranks=(), token=None):
+    token = table.get(rid).token if token is None and table.get(rid) else token or ""
+    return table.claim(rid, 7, token=token, claim_id=claim_id, d_engine_id="D", d_tp_size=tp, d_ranks=ranks,
+                       consumed=True)
+
+
+async def test_a_consumed_claim_releases_in_one_step(table):
+    watcher = asyncio.ensure_future(collect(table, 1))
+    await asyncio.sleep(0)
+    table.publish("r", [[1]], None)
+    lease = claim_consumed(table, "r")
+    assert lease.state is LeaseState.CONSUMED and table.get("r") is None
+    assert (await watcher)[0].reason is LeaseState.CONSUMED
+    assert table.claimed_count == 0 and table.claims == [+1, -1]  # type: ignore[attr-defined]
+
+
+async def test_a_consumed_claim_of_some_d_ranks_waits_for_the_others(table):
+    """One D engine over two servers: each reports its own ranks with its own claim."""
+    table.publish("r", [[1]], None)
+    assert claim_consumed(table, "r", CLAIM_A, tp=2, ranks=[0]).state is LeaseState.CLAIMED
+    with pytest.raises(FailedPrecondition) as e:  # rank 0 is owned: a second reader of it is refused
+        claim_consumed(table, "r", CLAIM_B, tp=2, ranks=[0, 1])
+    assert e.value.reason == "LEASE_CLAIMED"
+    assert claim_consumed(table, "r", CLAIM_B, tp=2, ranks=[1]).state is LeaseState.CONSUMED
+
+
+async def test_a_consumed_claim_is_refused_once_the_lease_was_released(table):
+    """The grant is the proof that the bytes read were the published ones: a lease aborted,
+    expired or consumed in the meantime must refuse it, and refuse it for good."""
+    table.publish("aborted", [[1]], None)
+    token = table.get("aborted").token
+    table.notify("aborted", ABORTED, [], 7, token=token)
+    table.publish("short", [[2]], 0.05)
+    short_token = table.get("short").token
+    table.publish("twice", [[3]], None)
+    twice_token = table.get("twice").token
+    claim_consumed(table, "twice", CLAIM_A)
+    await asyncio.sleep(0.1)
+    for rid, tok, state in (("aborted", token, "aborted"), ("short", short_token, "expired"),
+                            ("twice", twice_token, "consumed")):
+        with pytest.raises(FailedPrecondition) as e:
+            claim_consumed(table, rid, CLAIM_B, token=tok)
+        assert (e.value.reason, e.value.metadata["state"]) == ("LEASE_EXPIRED", state), rid
+    table.publish("owned", [[4]], None)
+    claim(table, "owned", CLAIM_A)  # a long read's claim holds it
+    with pytest.raises(FailedPrecondition) as e:
+        claim_consumed(table, "owned", CLAIM_B)
+    assert e.value.reason == "LEASE_CLAIMED"
+    assert table.get("owned").state is LeaseState.CLAIMED
