@@ -60,121 +60,104 @@ class Gate:
         self.open_.set()
 
 
-async def engines(p: RunningServer, d: RunningServer) -> tuple[AsyncClient, AsyncClient, Engine, Engine]:
-    pc, dc = AsyncClient(f"127.0.0.1:{p.port}"), AsyncClient(f"127.0.0.1:{d.port}")
-    return pc, dc, await Engine.of(pc), await Engine.of(dc)
-
-
-async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passes_new_bytes():
-    async with pair() as (p, d):
-        pc, dc, pe, de = await engines(p, d)
+@contextlib.asynccontextmanager
+async def engines(p: RunningServer, d: RunningServer) -> AsyncIterator[tuple[AsyncClient, AsyncClient, Engine, Engine]]:
+    """Clients and mapped pools of both servers, after one transfer (handshake and UCX
+    wire-up out of the way)."""
+    async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+        pe, de = await Engine.of(pc), await Engine.of(dc)
         try:
-            warm = await pc.publish_blocks("warm", [[1]])  # handshake and UCX wire-up out of the way
+            warm = await pc.publish_blocks("warm", [[1]])
             await dc.transfer("d-warm", warm.params, [[2]])
-            pe.fill([[3]])
-            for how in ("aborted", "expired"):
-                gate = Gate(d)
-                pub = await pc.publish_blocks(f"victim-{how}", [[3]], lease_ttl_ms=300 if how == "expired" else 0)
-                call = asyncio.ensure_future(dc.transfer(f"d-{how}", pub.params, [[4]]))
-                await asyncio.wait_for(gate.held.wait(), 10)
-                if how == "aborted":  # the router gives up on the request: with its token, that is allowed
-                    assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_STATE_ABORTED"}
-                else:
-                    await asyncio.sleep(0.5)
-                    p.node.leases.expire_due()
-                pe.fill([[5]])
-                for rank_mem in pe.mem.values():  # P's engine reuses the freed block 3 for block 5's data
-                    for region in rank_mem.regions:
-                        src = region.pool_offset + 5 * region.block_stride
-                        dst = region.pool_offset + 3 * region.block_stride
-                        rank_mem.buf[dst:dst + region.block_len] = rank_mem.buf[src:src + region.block_len]
-                gate.open()
-                with pytest.raises(FailedPrecondition) as e:
-                    await call
-                assert e.value.reason == "LEASE_EXPIRED", e.value
-                failure = [x for x in e.value.details if isinstance(x, pb.TransferFailure)]
-                assert failure and not failure[0].valid_local_block_ids_per_group
-                pe.fill([[3]])
-            assert p.node.leases.live_count == 0 and p.node.leases.claimed_count == 0
+            yield pc, dc, pe, de
         finally:
             pe.close()
             de.close()
-            await pc.close()
-            await dc.close()
+
+
+async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passes_new_bytes():
+    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, _de):
+        pe.fill([[3]])
+        for how in ("aborted", "expired"):
+            gate = Gate(d)
+            pub = await pc.publish_blocks(f"victim-{how}", [[3]], lease_ttl_ms=300 if how == "expired" else 0)
+            call = asyncio.ensure_future(dc.transfer(f"d-{how}", pub.params, [[4]]))
+            await asyncio.wait_for(gate.held.wait(), 10)
+            if how == "aborted":  # the router gives up on the request: with its token, that is allowed
+                assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_STATE_ABORTED"}
+            else:
+                await asyncio.sleep(0.5)
+                p.node.leases.expire_due()
+            pe.fill([[5]])
+            for rank_mem in pe.mem.values():  # P's engine reuses the freed block 3 for block 5's data
+                for region in rank_mem.regions:
+                    src = region.pool_offset + 5 * region.block_stride
+                    dst = region.pool_offset + 3 * region.block_stride
+                    rank_mem.buf[dst:dst + region.block_len] = rank_mem.buf[src:src + region.block_len]
+            gate.open()
+            with pytest.raises(FailedPrecondition) as e:
+                await call
+            assert e.value.reason == "LEASE_EXPIRED", e.value
+            failure = [x for x in e.value.details if isinstance(x, pb.TransferFailure)]
+            assert failure and not failure[0].valid_local_block_ids_per_group
+            pe.fill([[3]])
+        assert p.node.leases.live_count == 0 and p.node.leases.claimed_count == 0
 
 
 async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(monkeypatch):
     monkeypatch.setattr(decode, "EARLY_CLAIM_S", 0.01)
-    async with pair() as (p, d):
-        pc, dc, pe, de = await engines(p, d)
-        try:
-            warm = await pc.publish_blocks("warm", [[1]])
-            await dc.transfer("d-warm", warm.params, [[2]])
-            pe.fill([[3]])
-            pub = await pc.publish_blocks("long", [[3]])
-            # Hold the READ's completion, not its post: the claim goes out while it runs.
-            data = d.node.data
-            assert data is not None
-            real_read, release = data.read, asyncio.Event()
-            holders: list[asyncio.Future[None]] = []
+    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, de):
+        pe.fill([[3]])
+        pub = await pc.publish_blocks("long", [[3]])
+        # Hold the READ's completion, not its post: the claim goes out while it runs.
+        data = d.node.data
+        assert data is not None
+        real_read, release = data.read, asyncio.Event()
+        holders: list[asyncio.Future[None]] = []
 
-            async def slow_read(*args: Any, **kw: Any) -> Any:
-                fl = await real_read(*args, **kw)
-                done, fl.result = fl.result, asyncio.get_running_loop().create_future()
+        async def slow_read(*args: Any, **kw: Any) -> Any:
+            fl = await real_read(*args, **kw)
+            done, fl.result = fl.result, asyncio.get_running_loop().create_future()
 
-                async def later() -> None:
-                    await release.wait()
-                    try:
-                        fl.result.set_result(await done)
-                    except Exception as exc:  # pragma: no cover - reported by the transfer
-                        fl.result.set_exception(exc)
+            async def later() -> None:
+                await release.wait()
+                try:
+                    fl.result.set_result(await done)
+                except Exception as exc:  # pragma: no cover - reported by the transfer
+                    fl.result.set_exception(exc)
 
-                holders.append(asyncio.ensure_future(later()))
-                return fl
+            holders.append(asyncio.ensure_future(later()))
+            return fl
 
-            data.read = slow_read  # type: ignore[method-assign]
-            call = asyncio.ensure_future(dc.transfer("d-long", pub.params, [[4]]))
-            for _ in range(500):  # until P saw the claim
-                lease = p.node.leases.get("long")
-                if lease is not None and lease.claims:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                pytest.fail("a read held past EARLY_CLAIM_S never claimed the lease")
-            assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_NOT_OWNER"}
-            release.set()
-            resp = await call
-            assert resp.total_bytes > 0
-            for region in de.mem[0].regions:
-                got = de.mem[0].buf[region.pool_offset + 4 * region.block_stride:][:region.block_len]
-                want = pe.mem[0].buf[region.pool_offset + 3 * region.block_stride:][:region.block_len]
-                assert bytes(got) == bytes(want)
-            assert p.node.leases.live_count == 0
-        finally:
-            pe.close()
-            de.close()
-            await pc.close()
-            await dc.close()
+        data.read = slow_read  # type: ignore[method-assign]
+        call = asyncio.ensure_future(dc.transfer("d-long", pub.params, [[4]]))
+        for _ in range(500):  # until P saw the claim
+            lease = p.node.leases.get("long")
+            if lease is not None and lease.claims:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("a read held past EARLY_CLAIM_S never claimed the lease")
+        assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_NOT_OWNER"}
+        release.set()
+        resp = await call
+        assert resp.total_bytes > 0
+        for region in de.mem[0].regions:
+            got = de.mem[0].buf[region.pool_offset + 4 * region.block_stride:][:region.block_len]
+            want = pe.mem[0].buf[region.pool_offset + 3 * region.block_stride:][:region.block_len]
+            assert bytes(got) == bytes(want)
+        assert p.node.leases.live_count == 0
 
 
 async def test_two_readers_of_one_lease_one_wins_and_the_other_is_refused():
-    async with pair() as (p, d):
-        pc, dc, pe, de = await engines(p, d)
-        try:
-            warm = await pc.publish_blocks("warm", [[1]])
-            await dc.transfer("d-warm", warm.params, [[2]])
-            for i in range(20):
-                pe.fill([[3]])
-                pub = await pc.publish_blocks(f"dup{i}", [[3]])
-                out = await asyncio.gather(dc.transfer(f"a{i}", pub.params, [[4]]),
-                                           dc.transfer(f"b{i}", pub.params, [[5]]), return_exceptions=True)
-                ok = [r for r in out if isinstance(r, pb.TransferResponse)]
-                refused = [r for r in out if isinstance(r, FailedPrecondition)]
-                assert len(ok) == 1 and len(refused) == 1, out
-                assert refused[0].reason in ("LEASE_CLAIMED", "LEASE_EXPIRED"), refused[0]
-            assert p.node.leases.live_count == 0
-        finally:
-            pe.close()
-            de.close()
-            await pc.close()
-            await dc.close()
+    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, _de):
+        for i in range(20):
+            pe.fill([[3]])
+            pub = await pc.publish_blocks(f"dup{i}", [[3]])
+            out = await asyncio.gather(dc.transfer(f"a{i}", pub.params, [[4]]),
+                                       dc.transfer(f"b{i}", pub.params, [[5]]), return_exceptions=True)
+            ok = [r for r in out if isinstance(r, pb.TransferResponse)]
+            refused = [r for r in out if isinstance(r, FailedPrecondition)]
+            assert len(ok) == 1 and len(refused) == 1, out
+            assert refused[0].reason in ("LEASE_CLAIMED", "LEASE_EXPIRED"), refused[0]
+        assert p.node.leases.live_count == 0
