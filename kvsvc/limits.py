@@ -38,6 +38,8 @@ MAX_LIST_LEASES = 10_000
 DEFAULT_LIST_LEASES = 1000
 MAX_LEASE_CALLS = 1024
 """Most calls in one LeaseChannel message."""
+MAX_DIGEST_BYTES = 64
+"""Longest ClaimLeaseRequest.blocks_digest (16 bytes today; room for a longer hash)."""
 MIN_CLAIM_ID_BYTES = 16
 """Shortest claim id: it is an ownership secret, so it must not be guessable."""
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import heapq
 import logging
 import secrets
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.mapping.release import ReleaseTracker
@@ -76,6 +80,7 @@ class Lease:
     claims: dict[str, Claim] = field(default_factory=dict)
     released_unix_ms: int = 0
     published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +111,17 @@ def monotonic_to_unix_ms(t: float) -> int:
 
 def new_lease_token() -> str:
     return secrets.token_hex(16)
+
+
+def blocks_digest(block_ids: Sequence[Sequence[int]], num_tokens: int) -> bytes:
+    """What a lease holds, as ClaimLeaseRequest.blocks_digest spells it (BLAKE2b-128 over
+    num_tokens, then per group its count and its ids, each 8 bytes little-endian)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<q", num_tokens))
+    for ids in block_ids:
+        h.update(struct.pack("<q", len(ids)))
+        h.update(np.asarray(ids, dtype="<i8").tobytes())
+    return h.digest()
 
 
 def _check_token(lease: Lease, token: str) -> None:
@@ -172,7 +188,8 @@ class LeaseTable:
 
     # ---- operations -----------------------------------------------------------------
 
-    def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None, token: str = "") -> Lease:
+    def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None, token: str = "",
+                num_tokens: int = 0) -> Lease:
         """Lease request_id's blocks; token is a sibling server's (one engine, one token), else new."""
         if not request_id:
             raise InvalidArgument("MISSING_FIELD", "request_id must be set", {"field": "request_id"})
@@ -191,22 +208,31 @@ class LeaseTable:
                                   f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
                                                                     "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
         self._dead.pop(request_id, None)
-        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl, token or new_lease_token())
+        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
+                      digest=blocks_digest(block_ids, num_tokens))
         self._live[request_id] = lease
         self._schedule(lease)
         return lease
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
               d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
-              consumed: bool = False) -> Lease:
+              consumed: bool = False, digest: bytes = b"") -> Lease:
         """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
 
         A lease has one owner per D rank: another claim_id for overlapping ranks, or any
         claim from another D engine, is refused with LEASE_CLAIMED. consumed: the claimant
         read before claiming; its ranks are reported consumed in the same step (the lease is
         released once every D rank it waits for has been), so the grant itself is the proof
-        that the lease was never released while they read.
+        that the lease was never released while they read. digest (blocks_digest of the
+        params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
         """
+        if digest:
+            held = self._live_lease(request_id, epoch)
+            _check_token(held, token)
+            if not secrets.compare_digest(digest, held.digest):
+                raise InvalidArgument("PARAMS_INCONSISTENT", f"the params' block ids or num_tokens are not those "
+                                      f"request {request_id!r} was published with: use the params PublishBlocks "
+                                      "returned for it, unedited", {"request_id": request_id})
         lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
                             d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size)
         if consumed:

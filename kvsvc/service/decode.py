@@ -29,6 +29,7 @@ from kvsvc.errors import (
     PermissionDenied,
     Unavailable,
 )
+from kvsvc.leases.table import blocks_digest
 from kvsvc.limits import (
     MAX_ADDRESS_BYTES,
     MAX_WAIT_MS,
@@ -325,7 +326,7 @@ class Decoder:
         marks = [("plan", time.perf_counter())]
         span, clock = trace.get_current_span(), Clock()
         own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16), node.layout.dcp_size,
-                        traceparent(span))
+                        traceparent(span), blocks_digest(remote_ids, p.remote_num_tokens))
 
         posted: list[Posted] = []
         # Read first, then claim: one lease message per transfer, sent once the READs are

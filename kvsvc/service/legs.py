@@ -136,6 +136,7 @@ class Ownership:
     claim_id: str
     dcp_size: int = 1
     traceparent: str = ""  # the transfer's trace context, passed with every lease call
+    blocks_digest: bytes = b""  # of the params' blocks: P refuses a claim for other blocks than its lease's
 
     def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
         """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
@@ -158,7 +159,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
         resp = await leg.peer.lease_calls.claim_lease(pb.ClaimLeaseRequest(
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
-            dcp_size=own.dcp_size, consumed=consumed),
+            dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest),
             timeout_s=timeout_s, traceparent=own.traceparent)
         leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
         if consumed and resp.state == pb.LEASE_STATE_UNSPECIFIED:

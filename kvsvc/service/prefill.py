@@ -15,6 +15,7 @@ from kvsvc.layout.compat import compatibility_hash
 from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, monotonic_to_unix_ms
 from kvsvc.limits import (
+    MAX_DIGEST_BYTES,
     MAX_TP_SIZE,
     MIN_CLAIM_ID_BYTES,
     check_block_lists,
@@ -22,6 +23,7 @@ from kvsvc.limits import (
     check_id,
     check_num_tokens,
     check_tp_size,
+    too_big,
 )
 from kvsvc.mapping.dcp import request_blocks
 from kvsvc.mapping.geometry import check_block_ids
@@ -113,7 +115,8 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
     for g, ids in enumerate(groups):
         check_block_ids(np.asarray(ids, np.int64), node.layout.num_blocks, side="local", group=g)
     _check_num_tokens(node, req.num_tokens, groups)
-    lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token)
+    lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
+                                num_tokens=req.num_tokens)
     servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch)]
     if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
         try:
@@ -159,12 +162,15 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
     if len(req.claim_id.encode()) < MIN_CLAIM_ID_BYTES:
         raise bad_field("claim_id", f"must be a fresh secret of at least {MIN_CLAIM_ID_BYTES} characters",
                         "MISSING_FIELD")
+    if len(req.blocks_digest) > MAX_DIGEST_BYTES:
+        raise too_big("blocks_digest", len(req.blocks_digest), MAX_DIGEST_BYTES, "bytes")
     d_dcp = req.dcp_size or 1
     if d_dcp not in (1, req.tp_size):
         raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", "INVALID_DCP_SIZE")
     lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
                                      d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
-                                     extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed)
+                                     extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed,
+                                     digest=req.blocks_digest)
     if lease.state.released:
         return pb.ClaimLeaseResponse(state=pb.LEASE_STATE_CONSUMED)
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),

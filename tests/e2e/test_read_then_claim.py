@@ -21,7 +21,7 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import abort_published
 from kvsvc.config import Role, load_config
-from kvsvc.errors import FailedPrecondition
+from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.service import decode
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -73,6 +73,14 @@ async def engines(p: RunningServer, d: RunningServer) -> AsyncIterator[tuple[Asy
         finally:
             pe.close()
             de.close()
+
+
+def same_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool:
+    """D's block d_block holds P's block p_block in every region (TP 1 to TP 1, one layout)."""
+    return all(
+        bytes(de.mem[0].buf[r.pool_offset + d_block * r.block_stride:][:r.block_len])
+        == bytes(pe.mem[0].buf[r.pool_offset + p_block * r.block_stride:][:r.block_len])
+        for r in de.mem[0].regions)
 
 
 async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passes_new_bytes():
@@ -142,10 +150,7 @@ async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(mon
         release.set()
         resp = await call
         assert resp.total_bytes > 0
-        for region in de.mem[0].regions:
-            got = de.mem[0].buf[region.pool_offset + 4 * region.block_stride:][:region.block_len]
-            want = pe.mem[0].buf[region.pool_offset + 3 * region.block_stride:][:region.block_len]
-            assert bytes(got) == bytes(want)
+        assert same_bytes(pe, 3, de, 4)
         assert p.node.leases.live_count == 0
 
 
@@ -161,3 +166,25 @@ async def test_two_readers_of_one_lease_one_wins_and_the_other_is_refused():
             assert len(ok) == 1 and len(refused) == 1, out
             assert refused[0].reason in ("LEASE_CLAIMED", "LEASE_EXPIRED"), refused[0]
         assert p.node.leases.live_count == 0
+
+
+async def test_params_stitched_from_two_publishes_are_refused_not_read_as_good():
+    """Request a's token with request b's blocks: b's bytes must not pass as a's (b's lease
+    may be gone and its blocks reused); a stays leased for its real params."""
+    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, de):
+        pe.fill([[3]])
+        a = await pc.publish_blocks("a", [[3]])
+        b = await pc.publish_blocks("b", [[6]])
+        stitched = pb.TransferParams()
+        stitched.CopyFrom(a.params)
+        stitched.ClearField("remote_block_ids_per_group")
+        stitched.remote_block_ids_per_group.extend(b.params.remote_block_ids_per_group)
+        with pytest.raises(InvalidArgument) as e:
+            await dc.transfer("d-stitched", stitched, [[4]])
+        assert e.value.reason == "PARAMS_INCONSISTENT", e.value
+        failure = [x for x in e.value.details if isinstance(x, pb.TransferFailure)]
+        assert failure and not failure[0].valid_local_block_ids_per_group
+        lease = p.node.leases.get("a")
+        assert lease is not None and not lease.claims, "a refused claim holds nothing"
+        await dc.transfer("d-a", a.params, [[4]])
+        assert same_bytes(pe, 3, de, 4)

@@ -252,3 +252,29 @@ async def test_a_consumed_claim_is_refused_once_the_lease_was_released(table):
         claim_consumed(table, "owned", CLAIM_B)
     assert e.value.reason == "LEASE_CLAIMED"
     assert table.get("owned").state is LeaseState.CLAIMED
+
+
+def _digest_by_hand(groups, num_tokens):
+    """ClaimLeaseRequest.blocks_digest as its proto comment spells it, written out again."""
+    import hashlib
+    import struct
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<q", num_tokens))
+    for ids in groups:
+        h.update(struct.pack("<q", len(ids)) + b"".join(struct.pack("<q", i) for i in ids))
+    return h.digest()
+
+
+async def test_a_claim_for_other_blocks_than_the_lease_holds_is_refused(table):
+    table.publish("r", [[1, 2], [7]], None, num_tokens=20)
+    token = table.get("r").token
+    for groups, tokens in (([[1, 3], [7]], 20), ([[1, 2], [7]], 21), ([[1, 2]], 20), ([[2, 1], [7]], 20)):
+        with pytest.raises(InvalidArgument) as e:
+            table.claim("r", 7, token=token, claim_id=CLAIM_A, d_engine_id="D", d_tp_size=2,
+                        digest=_digest_by_hand(groups, tokens))
+        assert e.value.reason == "PARAMS_INCONSISTENT", (groups, tokens)
+    assert table.get("r").state is LeaseState.OFFERED and table.claimed_count == 0
+    lease = table.claim("r", 7, token=token, claim_id=CLAIM_A, d_engine_id="D", d_tp_size=2,
+                        digest=_digest_by_hand([[1, 2], [7]], 20), consumed=True)
+    assert lease.state is LeaseState.CONSUMED  # no ranks named: all of the D engine's, reported at once
