@@ -422,7 +422,8 @@ class Decoder:
 
     def _claim(self, legs: list[Leg], own: Ownership, deadline: float, span: trace.Span,
                clock: Clock) -> asyncio.Future[None]:
-        """Claim the lease while a long read runs (its answer measured and traced)."""
+        """Send the claim now -- a long read runs, or a READ failed and P should say why --
+        its answer measured and traced."""
         claimed = asyncio.ensure_future(claim_all(legs, own, self._rpc_timeout(deadline)))
         sent = time.perf_counter()
 
