@@ -112,7 +112,7 @@ async def _transfer(args: argparse.Namespace, pcs: list[AsyncClient], dcs: list[
                        f"{list(rp.source_ranks)}, notifies {list(rp.handshake_target_ranks)}, "
                        f"{rp.num_descriptors} descriptors, {rp.bytes / 2**20:.2f} MiB")
 
-    steps.start("decode engine calls Transfer on each of its servers (claim, NIXL READ on every rank, notify)")
+    steps.start("decode engine calls Transfer on each of its servers (NIXL READ on every rank, then claim + consumed at P)")
     resps = await asyncio.gather(*(c.transfer("decode-req-1", pub.params, d_ids, timeout_s=60) for c in dcs))
     total = sum(r.total_bytes for r in resps)
     secs = max(r.duration_us for r in resps) / 1e6
