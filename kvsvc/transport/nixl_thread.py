@@ -5,8 +5,9 @@ small machines) someone must drive progress. Both jobs live here: the thread exe
 queued calls and, while its own transfers are in flight, polls them with short sleeps
 that grow to INFLIGHT_MAX_SLEEP_S; while only peers may be reading (a claimed lease), it
 progresses its agents every PROGRESS_MAX_SLEEP_S. With neither it blocks on its queue,
-waking once every IDLE_BEAT_S after peers connected (UCX needs that much, see there). Results reach asyncio as futures resolved with
-call_soon_threadsafe; nothing polls on the event loop.
+waking once every IDLE_BEAT_S after peers connected (UCX needs that much, see there).
+Results reach asyncio as futures resolved with call_soon_threadsafe; nothing polls on
+the event loop.
 
 The thread waits for work with select() on a pipe that every submission writes a byte
 to, never with queue.SimpleQueue.get(timeout=...): on this machine (CPython 3.11) a get

@@ -61,3 +61,25 @@ async def test_every_job_runs_from_loop_and_foreign_threads(pumping):
     with pytest.raises(OSError):
         os.fstat(t._wake_r)  # the pipe went with the thread
     t.need_progress(+1)  # a late submission after stop writes nowhere and does not raise
+
+
+async def test_an_idle_thread_sleeps_until_peers_connected_then_beats_slowly():
+    """No polling at all when idle; after beat_when_idle a poll about every IDLE_BEAT_S
+    (UCX needs a target to progress now and then), not the pump's tight loop."""
+    from kvsvc.transport.nixl_thread import IDLE_BEAT_S
+
+    t = NixlThread("test-nixl-beat")
+    t.start()
+    agent = IdleAgent()
+    try:
+        t.set_progress([agent], lambda a, n: None)
+        await t.call(lambda: None)  # set_progress has run
+        await asyncio.sleep(2.2 * IDLE_BEAT_S)
+        assert agent.polls == 0, "an idle thread must not poll"
+        before = agent.polls
+        t.beat_when_idle()
+        await asyncio.sleep(3.2 * IDLE_BEAT_S)
+        beats = agent.polls - before
+        assert 2 <= beats <= 8, beats
+    finally:
+        await asyncio.to_thread(t.stop)
