@@ -226,15 +226,9 @@ class LeaseTable:
         that the lease was never released while they read. digest (blocks_digest of the
         params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
         """
-        if digest:
-            held = self._live_lease(request_id, epoch)
-            _check_token(held, token)
-            if not secrets.compare_digest(digest, held.digest):
-                raise InvalidArgument("PARAMS_INCONSISTENT", f"the params' block ids or num_tokens are not those "
-                                      f"request {request_id!r} was published with: use the params PublishBlocks "
-                                      "returned for it, unedited", {"request_id": request_id})
         lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
-                            d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size)
+                            d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
+                            digest=digest)
         if consumed:
             assert lease.tracker is not None
             lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
@@ -243,9 +237,13 @@ class LeaseTable:
         return lease
 
     def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
-               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int) -> Lease:
+               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes) -> Lease:
         lease = self._live_lease(request_id, epoch)
         _check_token(lease, token)
+        if digest and not secrets.compare_digest(digest, lease.digest):
+            raise InvalidArgument("PARAMS_INCONSISTENT", f"the params' block ids or num_tokens are not those "
+                                  f"request {request_id!r} was published with: use the params PublishBlocks "
+                                  "returned for it, unedited", {"request_id": request_id})
         tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
         ranks = frozenset(d_ranks) if d_ranks else frozenset(range(d_tp_size))
         bad = sorted(r for r in ranks if not 0 <= r < d_tp_size)

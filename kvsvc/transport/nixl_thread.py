@@ -80,6 +80,7 @@ class NixlThread:
         self._progress_agents: list[Any] = []
         self._progress_refs = 0
         self._beat = False
+        self._next_beat = 0.0  # monotonic time the beat is next due
         self._notif_sink: Callable[[Any, dict[str, list[bytes]]], None] | None = None
         self._thread = threading.Thread(target=self._run_main, name=name, daemon=True)
         self._started = False
@@ -234,7 +235,9 @@ class NixlThread:
             progressed = True
             self._finish(fl, None if state == "DONE" else TransferError(f"transfer failed: {err or state}"))
         self._inflight = still
-        if (self._progress_refs or self._beat) and self._progress_agents:
+        now = time.monotonic()
+        if self._progress_agents and (self._progress_refs or (self._beat and now >= self._next_beat)):
+            self._next_beat = now + IDLE_BEAT_S  # the beat only where nothing else progressed them
             for agent in self._progress_agents:
                 try:
                     notifs = agent.get_new_notifs()
@@ -308,7 +311,7 @@ class NixlThread:
                 # progress keeps UCX's endpoints healthy, and a slow beat does that.
                 timeout = PROGRESS_MAX_SLEEP_S
             else:
-                timeout = IDLE_BEAT_S if self._beat and self._progress_agents else None
+                timeout = max(0.0, self._next_beat - time.monotonic()) if self._beat and self._progress_agents else None
             job = self._next_job(timeout)
             if job is _STOP:
                 self._drain_for_stop()

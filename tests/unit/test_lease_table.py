@@ -43,9 +43,10 @@ CLAIM_B = "b" * 32
 CONSUMED, ABORTED, HEARTBEAT = NotifyKind.CONSUMED, NotifyKind.ABORTED, NotifyKind.HEARTBEAT
 
 
-def claim(table, rid, claim_id=CLAIM_A, *, epoch=7, engine="D", tp=2, ranks=(), token=None):
+def claim(table, rid, claim_id=CLAIM_A, *, epoch=7, engine="D", tp=2, ranks=(), token=None, consumed=False):
     token = table.get(rid).token if token is None and table.get(rid) else token or ""
-    return table.claim(rid, epoch, token=token, claim_id=claim_id, d_engine_id=engine, d_tp_size=tp, d_ranks=ranks)
+    return table.claim(rid, epoch, token=token, claim_id=claim_id, d_engine_id=engine, d_tp_size=tp, d_ranks=ranks,
+                       consumed=consumed)
 
 
 async def test_consumed_after_every_d_rank(table):
@@ -203,10 +204,8 @@ async def test_withdraw_ends_an_unclaimed_lease_without_a_release_event(table):
         sub.close()
 
 
-def claim_consumed(table, rid, claim_id=CLAIM_A, *, tp=2, ranks=(), token=None):
-    token = table.get(rid).token if token is None and table.get(rid) else token or ""
-    return table.claim(rid, 7, token=token, claim_id=claim_id, d_engine_id="D", d_tp_size=tp, d_ranks=ranks,
-                       consumed=True)
+def claim_consumed(table, rid, claim_id=CLAIM_A, **kw):
+    return claim(table, rid, claim_id, consumed=True, **kw)
 
 
 async def test_a_consumed_claim_releases_in_one_step(table):
