@@ -77,12 +77,6 @@ def region_shape(r: Region) -> tuple[object, ...]:
     return (r.kind, r.group_index, r.block_len, r.block_stride, r.heads, r.tokens, r.head_bytes, r.head_major)
 
 
-def with_regions(units: dict[int, Units], la: int, rb: int) -> dict[int, Units]:
-    """The units of another region pair of the same shapes: same offsets, other indices."""
-    return {r: Units(np.full(u.length.size, la, np.int32), u.local_offset, np.full(u.length.size, rb, np.int32),
-                      u.remote_offset, u.length) for r, u in units.items()}
-
-
 def attention_units(
     a: Region, b: Region, local_ids: np.ndarray, remote_ids: np.ndarray, n: int,
     mapping: TPMapping, attn_sources: Sequence[int], ratio: int,
@@ -167,6 +161,30 @@ def coalesce(remote_rank: int, units: Sequence[Units], ordered: bool = False) ->
     else:
         starts = np.zeros(lo.size, dtype=np.intp)
     return Reads(remote_rank, lr[starts], lo[starts], rr[starts], ro[starts], np.add.reduceat(ln, starts))
+
+
+def repeat_over_regions(remote_rank: int, parts: Sequence[tuple[Reads, np.ndarray]]) -> Reads:
+    """One remote rank's reads from coalesced templates, each repeated over region pairs.
+
+    parts: (template, region indices): local region i reads remote region i, and a
+    template's offsets hold for every pair of its shapes (joins never cross regions, so
+    coalescing one pair is coalescing them all). The result is region-major like
+    coalesce's: parts are merged by region, a stable sort that keeps each region's order.
+    """
+    if not parts:
+        return coalesce(remote_rank, ())
+    lr = np.concatenate([np.repeat(idx.astype(np.int32), t.num_descriptors) for t, idx in parts])
+    lo = np.concatenate([_tile(t.local_offset, idx.size) for t, idx in parts])
+    ro = np.concatenate([_tile(t.remote_offset, idx.size) for t, idx in parts])
+    ln = np.concatenate([_tile(t.length, idx.size) for t, idx in parts])
+    if len(parts) > 1 and lr.size > 1 and bool((lr[1:] < lr[:-1]).any()):
+        order = np.argsort(lr, kind="stable")
+        lr, lo, ro, ln = lr[order], lo[order], ro[order], ln[order]
+    return Reads(remote_rank, lr, lo, lr, ro, ln)
+
+
+def _tile(a: np.ndarray, times: int) -> np.ndarray:
+    return np.broadcast_to(a, (times, a.size)).reshape(-1)
 
 
 def check_block_ids(ids: np.ndarray, num_blocks: int, *, side: str, group: int) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,8 +21,8 @@ from kvsvc.mapping.geometry import (
     check_block_ids,
     coalesce,
     region_shape,
+    repeat_over_regions,
     ssm_units,
-    with_regions,
 )
 from kvsvc.mapping.topology import TransferTopology, handshake_target_ranks, tp_ratio
 from kvsvc.mapping.tp_mapping import TPMapping, compute_tp_mapping
@@ -34,10 +35,30 @@ class Side:
     layout: EngineLayout
     tp_size: int
     pool: PoolLayout
+    # Per region, a number shared by the regions of one shape (geometry.region_shape): a
+    # plan computes the reads of one region per shape and repeats them over the others.
+    shape_ids: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def of(cls, layout: EngineLayout, tp_size: int) -> Side:
-        return cls(layout, tp_size, build_pool_layout(layout))
+        pool = build_pool_layout(layout)
+        return cls(layout, tp_size, pool, _shape_ids(pool))
+
+
+def _shape_ids(pool: PoolLayout) -> tuple[int, ...]:
+    ids: dict[tuple[object, ...], int] = {}
+    return tuple(ids.setdefault(region_shape(r), len(ids)) for r in pool.regions)
+
+
+@functools.lru_cache(maxsize=256)
+def _region_classes(local_shapes: tuple[int, ...], remote_shapes: tuple[int, ...]) -> tuple[tuple[int, np.ndarray], ...]:
+    """Region pairs (local region i reads remote region i) grouped by the shapes of both:
+    (first region, every region) per class, in order of first appearance. Cached: a server
+    meets few layouts, and this is per request otherwise."""
+    classes: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(local_shapes, remote_shapes, strict=True)):
+        classes.setdefault(key, []).append(i)
+    return tuple((members[0], np.array(members)) for members in classes.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,33 +237,36 @@ def plan_rank(
                             dcp_size=lay.dcp_size)
     mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types, rdcp)
     n = blocks.block_ratio
-    per_rank: dict[int, list] = {}
-    by_shape: dict[tuple[object, ...], dict[int, Units]] = {}
-    for a, b in zip(local.pool.regions, remote.pool.regions, strict=True):
-        g = a.group_index
-        lids, rids = blocks.ids[g]
+    ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing
+    # A region pair's reads depend on its shapes, not its index: they are computed and
+    # coalesced once per class of pairs, then repeated over every pair of the class (the
+    # layers of a group). DCP regions are planned one by one (their pairs differ per rank).
+    per_rank: dict[int, list[tuple[Reads, np.ndarray]]] = {}
+    regions, remote_regions = local.pool.regions, remote.pool.regions
+    for first, members in _region_classes(local.shape_ids or _shape_ids(local.pool),
+                                          remote.shape_ids or _shape_ids(remote.pool)):
+        a, b = regions[first], remote_regions[first]
+        lids, rids = blocks.ids[a.group_index]  # a class's regions share one group
         if lids.size == 0:
             continue
-        sources = mapping.source_ranks_per_group[g]
-        grp = blocks.dcp[g] if blocks.dcp else None
+        sources = mapping.source_ranks_per_group[a.group_index]
+        grp = blocks.dcp[a.group_index] if blocks.dcp else None
         if grp is not None:
-            for r in sources:  # each source fills the positions whose blocks it holds
-                pl, pr = grp.pairs(local_rank, r)
-                if pl.size:
-                    for rr, u in attention_units(a, b, pl, pr, 1, mapping, (r,), ratio).items():
-                        per_rank.setdefault(rr, []).append(u)
+            for i in members:
+                ai, bi = regions[i], remote_regions[i]
+                units: dict[int, list[Units]] = {}
+                for r in sources:  # each source fills the positions whose blocks it holds
+                    pl, pr = grp.pairs(local_rank, r)
+                    if pl.size:
+                        for rr, u in attention_units(ai, bi, pl, pr, 1, mapping, (r,), ratio).items():
+                            units.setdefault(rr, []).append(u)
+                for rr, us in units.items():
+                    per_rank.setdefault(rr, []).append((coalesce(rr, us), np.array([i])))
             continue
-        shape = (region_shape(a), region_shape(b))
-        done = by_shape.get(shape)
-        if done is not None:
-            units = with_regions(done, a.index, b.index)
-        elif a.is_ssm:
-            units = by_shape[shape] = ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size)
-        else:
-            units = by_shape[shape] = attention_units(a, b, lids, rids, n, mapping, sources, ratio)
-        for r, u in units.items():
-            per_rank.setdefault(r, []).append(u)
-    ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing
-    reads = tuple(coalesce(r, per_rank[r], ordered=ordered) for r in sorted(per_rank))
+        made = (ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size) if a.is_ssm
+                else attention_units(a, b, lids, rids, n, mapping, sources, ratio))
+        for r, u in made.items():
+            per_rank.setdefault(r, []).append((coalesce(r, [u], ordered=ordered), members))
+    reads = tuple(repeat_over_regions(r, per_rank[r]) for r in sorted(per_rank))
     targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size, lay.dcp_size, rdcp))
     return RankPlan(local_rank, ratio, targets, mapping, reads, blocks.skipped)

@@ -56,11 +56,13 @@ def expected_bytes(side: Side, local_ids) -> int:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lt=st.sampled_from(TP), rt=st.sampled_from(TP), k=st.sampled_from(K), mla=st.booleans(), ssm=st.booleans(),
-       n=st.sampled_from([1, 2]), m=st.integers(1, 4), prefix=st.integers(0, 2), data=st.data())
-def test_every_rank_gets_exactly_its_heads(lt, rt, k, mla, ssm, n, m, prefix, data):
+       n=st.sampled_from([1, 2]), m=st.integers(1, 4), prefix=st.integers(0, 2), layers=st.integers(1, 3),
+       data=st.data())
+def test_every_rank_gets_exactly_its_heads(lt, rt, k, mla, ssm, n, m, prefix, layers, data):
+    # Several layers: the planner computes one region per shape and repeats it over the others.
     nb = 12
-    remote = make_side(rt, k=k, mla=mla, ssm=ssm, block=2, nb=nb * 2)
-    local = make_side(lt, k=k, mla=mla, ssm=ssm, block=2 * n, nb=nb)
+    remote = make_side(rt, k=k, mla=mla, ssm=ssm, block=2, nb=nb * 2, layers=layers)
+    local = make_side(lt, k=k, mla=mla, ssm=ssm, block=2 * n, nb=nb, layers=layers)
     total_local = m + prefix
     rids = data.draw(st.permutations(range(nb * 2)))[: total_local * n]
     lids = data.draw(st.permutations(range(nb)))[:m]
@@ -89,6 +91,8 @@ def test_every_rank_gets_exactly_its_heads(lt, rt, k, mla, ssm, n, m, prefix, da
 def _assert_disjoint_local_ranges(plan):
     starts, ends = [], []
     for reads in plan.reads:
+        assert np.all(np.diff(reads.local_region) >= 0), "reads are not region-major"
+        assert np.array_equal(reads.local_region, reads.remote_region), "local region i reads remote region i"
         starts.append(reads.local_region.astype(np.int64) * 2**40 + reads.local_offset)
         ends.append(reads.local_region.astype(np.int64) * 2**40 + reads.local_offset + reads.length)
         assert np.all(reads.length > 0)
