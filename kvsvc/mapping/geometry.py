@@ -184,6 +184,8 @@ def repeat_over_regions(remote_rank: int, parts: Sequence[tuple[Reads, np.ndarra
 
 
 def _tile(a: np.ndarray, times: int) -> np.ndarray:
+    if times <= 16:  # the common few layers per class: np.tile's own overhead would dominate
+        return np.concatenate([a] * times) if times > 1 else a
     return np.broadcast_to(a, (times, a.size)).reshape(-1)
 
 
@@ -199,7 +201,7 @@ def check_block_ids(ids: np.ndarray, num_blocks: int, *, side: str, group: int) 
             {"side": side, "group": group, "block_id": int(bad[0]), "num_blocks": num_blocks,
              "num_bad": int(bad.size)},
         )
-    if side == "local" and np.unique(ids).size != ids.size:
+    if side == "local" and ids.size > 1 and np.unique(ids).size != ids.size:
         uniq, counts = np.unique(ids, return_counts=True)
         raise InvalidArgument(
             "DUPLICATE_BLOCK_ID",
