@@ -47,6 +47,8 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"raw NIXL skipped: {res['raw_nixl_error']}")
     print(f"planning a 128k-token request over 61 MLA layers: {res['plan_128k_tokens_61_layers_ms']:.1f} ms "
           f"({res['plan_128k_descriptors']} descriptors)")
+    print("planning a 1-block request: " + ", ".join(f"{us:.0f} us at {layers} layers"
+                                                       for layers, us in res["plan_1_block_us_by_layers"].items()))
     if res["idle_cpu_percent_prefill"] is not None:
         print(f"idle servers: prefill {res['idle_cpu_percent_prefill']:.1f} % CPU, decode "
               f"{res['idle_cpu_percent_decode']:.1f} % CPU")

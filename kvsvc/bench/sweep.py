@@ -193,6 +193,25 @@ def plan_128k_ms() -> tuple[float, int]:
     return (time.perf_counter() - t0) * 1e3, plan.num_descriptors
 
 
+PLAN_LAYERS = (4, 32, 80)
+
+
+def plan_one_block_us() -> dict[str, float]:
+    """Median time to plan a 1-block request (GQA, the bench's geometry) for models of
+    PLAN_LAYERS layers: what a short request pays on D for planning, by model depth (the
+    pair's compatibility is checked once per handshake, so not here)."""
+    out = {}
+    for layers in PLAN_LAYERS:
+        side = Side.of(simple_layout(tp_size=1, kv_heads=8, num_layers=layers, head_size=128, num_blocks=1024), 1)
+        times = []
+        for i in range(200):
+            t0 = time.perf_counter()
+            plan_rank(side, side, 0, [[i % 512]], [[(i * 7) % 1024]], validated=True)
+            times.append(time.perf_counter() - t0)
+        out[str(layers)] = 1e6 * statistics.median(times[20:])
+    return out
+
+
 async def idle_cpu_percent(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """CPU use of idle servers: the progress pump must sleep when nothing is in flight."""
     servers = {k: v for k, v in pids.items() if k != "client"}
@@ -290,6 +309,7 @@ def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dic
         "verified": all(checks) if checks else None,
         "idle_cpu_percent_prefill": idle.get("prefill"), "idle_cpu_percent_decode": idle.get("decode"),
         "plan_128k_tokens_61_layers_ms": plan_ms, "plan_128k_descriptors": plan_desc,
+        "plan_1_block_us_by_layers": plan_one_block_us(),
         "ucx_transports": transports, "raw_nixl_error": raw_error,
         "layers": args.layers, "runs": args.runs, "max_mib": args.max_mib,
         "sizes": points, "cold": cold, "concurrency": conc,

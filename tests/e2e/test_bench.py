@@ -35,9 +35,11 @@ def test_bench_writes_figures_and_charts(tmp_path):
         assert p["decode_cpu_s_per_gb"] >= 0 and p["prefill_cpu_s_per_gb"] >= 0
     assert [c["in_flight"] for c in res["concurrency"]] == [1, 4]
     assert res["transfers_per_s_in_flight"] == 4
+    assert sorted(res["plan_1_block_us_by_layers"], key=int) == ["4", "32", "80"]
+    assert all(us > 0 for us in res["plan_1_block_us_by_layers"].values())
     # progress on stderr, one line per step; the table on stdout
     assert proc.stderr.count("bench [") >= 8, proc.stderr
-    assert "in flight" in proc.stdout and "cold vs warm" in proc.stdout
+    assert "in flight" in proc.stdout and "cold vs warm" in proc.stdout and "planning a 1-block request" in proc.stdout
     for name in ("bandwidth.png", "latency.png"):
         data = (plots / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
