@@ -78,6 +78,10 @@ class ServerConfig:
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
     """Deadline of server-to-server RPCs (handshake, claim, notify), seconds."""
+    lease_socket: bool = True
+    """A prefill server without TLS offers D servers on its host a Unix socket for their
+    lease calls (a tenth of a gRPC stream message's cost; see service/lease_socket.py).
+    False: lease calls always go over gRPC."""
     allowed_peers: tuple[str, ...] = ()
     """Engine ids this server exchanges KV with (empty: any): on P, who may handshake, claim
     and notify; on D, which P engines a Transfer may read from. With mutual TLS the engine
@@ -175,6 +179,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
         for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):
             if key in srv:
                 kw[key] = float(srv[key])
+        if "lease_socket" in srv:
+            if not isinstance(srv["lease_socket"], bool):
+                raise InvalidArgument("INVALID_CONFIG", f"{path}: server.lease_socket must be true or false")
+            kw["lease_socket"] = srv["lease_socket"]
         try:
             if "role" in srv:
                 kw["role"] = Role(srv["role"])

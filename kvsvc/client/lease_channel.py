@@ -10,6 +10,12 @@ a call was answered leaves its outcome unknown, exactly like a lost unary call
 while a message is being written go out together in the next one.
 
 A P server without LeaseChannel (UNIMPLEMENTED) is spoken to with unary calls from then on.
+
+A P server on the same host may offer a Unix socket for the same messages (its path in
+the handshake answer; service/lease_socket.py has the framing): the stream then runs
+there, at a tenth of the cost. A socket that cannot be connected to (another host,
+another user, a P server gone) is given up for good and the gRPC stream used instead; a
+socket connection that breaks is like a broken stream (the call is retried once).
 """
 
 from __future__ import annotations
@@ -33,6 +39,28 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 _METHOD = "/kvsvc.v1.KvTransferService/LeaseChannel"
+
+# The lease socket (see the module docstring): each message is a 4-byte little-endian
+# length, then the serialized LeaseChannelRequest or LeaseChannelResponse.
+HEADER_BYTES = 4
+# A P server's socket is <temp dir>/kvsvc-<epoch>-<random>/lease.sock; D connects only to
+# paths of that shape, so a peer cannot point it at some other service's socket.
+SOCKET_DIR_PREFIX = "kvsvc-"
+SOCKET_NAME = "lease.sock"
+_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+def frame(msg: pb.LeaseChannelRequest | pb.LeaseChannelResponse) -> bytes:
+    data = msg.SerializeToString()
+    return len(data).to_bytes(HEADER_BYTES, "little") + data
+
+
+def usable_socket_path(path: str) -> str:
+    """path when it is a lease socket a peer may name (absolute, kvsvc's shape), else ""."""
+    parts = path.rsplit("/", 2)
+    ok = (path.startswith("/") and len(path.encode()) <= _MAX_SOCKET_PATH and len(parts) == 3
+          and parts[2] == SOCKET_NAME and parts[1].startswith(SOCKET_DIR_PREFIX) and ".." not in parts)
+    return path if ok else ""
 
 
 class _StreamEnded(Exception):
@@ -92,6 +120,8 @@ class _Stream:
                         fut.set_result(answer)
         except grpc.aio.AioRpcError as e:
             error = error_from_rpc(e)
+        except KvsvcError as e:  # the socket carrier's end
+            error = e
         except asyncio.CancelledError:
             error = Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed")
         finally:
@@ -115,6 +145,36 @@ class _Stream:
         await asyncio.gather(self.reader, return_exceptions=True)
 
 
+class _SocketCall:
+    """The lease socket, dressed as the gRPC stream call _Stream drives: write(), async
+    iteration over answers, cancel()."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_bytes: int) -> None:
+        self._reader, self._writer, self._max_bytes = reader, writer, max_bytes
+
+    async def write(self, msg: pb.LeaseChannelRequest) -> None:
+        self._writer.write(frame(msg))
+        await self._writer.drain()
+
+    def __aiter__(self) -> Any:
+        return self._answers()
+
+    async def _answers(self) -> Any:
+        while True:
+            try:
+                size = int.from_bytes(await self._reader.readexactly(HEADER_BYTES), "little")
+                if size > self._max_bytes:
+                    raise Unavailable("UNAVAILABLE", f"the lease socket sent a {size}-byte frame")
+                yield pb.LeaseChannelResponse.FromString(await self._reader.readexactly(size))
+            except asyncio.IncompleteReadError:
+                return  # P closed it: the stream ended
+            except (OSError, DecodeError) as e:
+                raise Unavailable("UNAVAILABLE", f"the lease socket broke: {type(e).__name__}") from None
+
+    def cancel(self) -> None:
+        self._writer.close()
+
+
 def _decode_error(data: bytes) -> KvsvcError:
     try:
         return error_from_status(status_pb2.Status.FromString(data))
@@ -125,8 +185,10 @@ def _decode_error(data: bytes) -> KvsvcError:
 class LeaseChannel:
     """claim_lease / notify like AsyncClient's, over one stream to client's server."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, socket_path: str = "") -> None:
         self._client = client
+        self._socket_path = usable_socket_path(socket_path)  # P's lease socket ("" or given up: gRPC)
+        self._connecting = asyncio.Lock()
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
         self._unary = False
@@ -135,6 +197,11 @@ class LeaseChannel:
     @property
     def address(self) -> str:
         return self._client.address
+
+    @property
+    def carrier(self) -> str:
+        """Where the next stream opens: "socket" (P's lease socket) or "grpc"."""
+        return "socket" if self._socket_path else "grpc"
 
     @property
     def is_open(self) -> bool:
@@ -173,13 +240,15 @@ class LeaseChannel:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         for attempt in range(2):
-            stream = self._open()
             call = make(next(self._ids))
             fut: asyncio.Future[pb.LeaseAnswer] = loop.create_future()
+            stream: _Stream | None = None
             try:
                 # The deadline covers the write too: a write stuck past it ends the stream
                 # (submit does that when cancelled mid-write), and the next call opens a new one.
                 async with asyncio.timeout_at(deadline):
+                    stream = self._stream if self.is_open else await self._open()
+                    assert stream is not None
                     await stream.submit(call, fut)
                     return await fut
             except TimeoutError:
@@ -197,17 +266,29 @@ class LeaseChannel:
                     raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} broke before the "
                                       f"answer: {ended or 'closed'}") from None
             finally:
-                stream.pending.pop(call.call_id, None)
+                if stream is not None:
+                    stream.pending.pop(call.call_id, None)
         raise AssertionError("unreachable")
 
-    def _open(self) -> _Stream:
-        if self._stream is not None and not self._stream.ended:
+    async def _open(self) -> _Stream:
+        async with self._connecting:  # one stream at a time, however many callers found none
+            if self._stream is not None and not self._stream.ended:
+                return self._stream
+            if self._closed:
+                raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} is closed")
+            call: Any = None
+            if self._socket_path:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(self._socket_path)
+                    call = _SocketCall(reader, writer, self._client.options.max_message_bytes)
+                except OSError as e:
+                    log.info("lease socket %s of %s unusable (%s): lease calls go over gRPC", self._socket_path,
+                             self.address, e)
+                    self._socket_path = ""
+            if call is None:
+                # No deadline: the stream lives as long as the peer; each call has its own.
+                call = self._client.channel.stream_stream(
+                    _METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
+                    response_deserializer=pb.LeaseChannelResponse.FromString)()
+            self._stream = _Stream(call)
             return self._stream
-        if self._closed:
-            raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} is closed")
-        # No deadline: the stream lives as long as the peer; each call has its own.
-        call = self._client.channel.stream_stream(
-            _METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
-            response_deserializer=pb.LeaseChannelResponse.FromString)()
-        self._stream = _Stream(call)
-        return self._stream

@@ -50,6 +50,7 @@ class Node:
         self.layout_hash = compatibility_hash(self.layout)
         self.epoch = new_epoch()
         self.address = config.advertised_address or config.listen
+        self.lease_socket_path = ""  # offered to same-host D servers in the handshake answer
         self._external = dict(external_pools or {})
         self.pools: dict[int, Pool] = {}
         self.data: NixlDataPlane | None = None

@@ -229,7 +229,8 @@ class PeerCache:
             ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions],
                                            "VRAM" if h.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM", h.device_id)
                      for h in resp.ranks}
-            peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client, lease=LeaseChannel(client))
+            peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client,
+                        lease=LeaseChannel(client, resp.lease_socket))
             try:
                 for h in resp.ranks:
                     for t in node.hosted_ranks:

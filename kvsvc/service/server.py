@@ -16,11 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__
-from kvsvc.config import ServerConfig
+from kvsvc.config import Role, ServerConfig
 from kvsvc.discovery.etcd import EtcdClient
 from kvsvc.discovery.registry import Registration, ServerRecord
 from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
+from kvsvc.service.lease_socket import LeaseSocket
 from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.service.siblings import Siblings
@@ -55,6 +56,7 @@ class RunningServer:
     servicer: KvTransferServicer
     metrics_address: str = ""
     registration: Registration | None = None
+    lease_socket: LeaseSocket | None = None
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
@@ -68,6 +70,8 @@ class RunningServer:
         # 2. no new publishes; claimed leases (D may be reading them) get drain_s to finish
         await self.node.leases.drain(self.node.config.drain_timeout_s if drain_s is None else drain_s)
         await self.servicer.close_lease_channels()  # D's notifications for those came in on them
+        if self.lease_socket is not None:
+            await self.lease_socket.close()
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)  # 3. in-flight RPCs finish within the grace period
         await self.decoder.close()  # 4. transfers settle, peer channels close
@@ -140,6 +144,17 @@ async def create_server(
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
     running = RunningServer(server, port, node, health_servicer, decoder, siblings, servicer)
     _add_gauges(running)
+    if creds is None and config.lease_socket and config.role is not Role.DECODE and node.data is not None:
+        # Same-host D servers carry their lease calls here (under TLS they stay on gRPC, with
+        # the caller's certificate); offered in the handshake answer.
+        running.lease_socket = LeaseSocket(servicer.lease_call, config.max_message_bytes, node.epoch)
+        try:
+            await running.lease_socket.start()
+        except BaseException:
+            running.lease_socket = None
+            await running.stop(0, drain_s=0)
+            raise
+        node.lease_socket_path = running.lease_socket.path
     if config.metrics_listen:
         try:
             running.metrics_address = node.metrics.serve(config.metrics_listen)

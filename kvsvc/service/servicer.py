@@ -168,12 +168,13 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                     check_count(msg.calls, "calls", MAX_LEASE_CALLS)
                 except KvsvcError as e:
                     await context.abort_with_status(rpc_status.to_status(to_status(e)))
-                yield pb.LeaseChannelResponse(answers=[self._lease_call(call, names) for call in msg.calls])
+                yield pb.LeaseChannelResponse(answers=[self.lease_call(call, names) for call in msg.calls])
         finally:
             if task is not None:
                 self._lease_channels.pop(task, None)
 
-    def _lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
+    def lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
+        """One lease call's answer (from the LeaseChannel stream or the lease socket)."""
         which = call.WhichOneof("call")
         body = getattr(call, which) if which else None
         with _traced(which or "none", body, context_from_traceparent(call.traceparent) if call.traceparent else None):

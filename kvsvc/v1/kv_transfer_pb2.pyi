@@ -378,18 +378,20 @@ class RankHandshake(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "epoch", "tp_size", "layout", "ranks")
+    __slots__ = ("engine_id", "epoch", "tp_size", "layout", "ranks", "lease_socket")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     tp_size: int
     layout: KvLayout
     ranks: _containers.RepeatedCompositeFieldContainer[RankHandshake]
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankHandshake, _Mapping]]] = ...) -> None: ...
+    lease_socket: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankHandshake, _Mapping]]] = ..., lease_socket: _Optional[str] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("block_ids",)

@@ -217,7 +217,7 @@ async def test_a_write_stuck_past_the_deadline_fails_the_call_and_ends_the_strea
         lane = LeaseChannel(client)
         calls: list[_StuckCall] = []
 
-        def fake_open() -> lc._Stream:
+        async def fake_open() -> lc._Stream:
             if lane._stream is None or lane._stream.ended:
                 calls.append(_StuckCall())
                 lane._stream = lc._Stream(calls[-1])
@@ -236,3 +236,20 @@ async def test_a_write_stuck_past_the_deadline_fails_the_call_and_ends_the_strea
             await lane.notify(hb, timeout_s=0.1)
         assert len(calls) == 2 and calls[1].writes == 1
         await lane.close()
+
+
+@pytest.mark.parametrize("path, ok", [
+    ("/tmp/kvsvc-0000abcd-x1y2/lease.sock", True),
+    ("/run/user/1000/kvsvc-1-a/lease.sock", True),
+    ("/var/run/docker.sock", False),  # a peer may not point D at another service's socket
+    ("/tmp/kvsvc-1-a/other.sock", False),
+    ("/tmp/elsewhere/lease.sock", False),
+    ("relative/kvsvc-1/lease.sock", False),
+    ("/tmp/kvsvc-1-a/../lease.sock", False),
+    ("/" + "a" * 120 + "/kvsvc-1/lease.sock", False),  # longer than a socket address holds
+    ("", False),
+])
+def test_only_lease_socket_paths_of_kvsvcs_shape_are_used(path, ok):
+    from kvsvc.client.lease_channel import usable_socket_path
+
+    assert usable_socket_path(path) == (path if ok else "")

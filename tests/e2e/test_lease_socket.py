@@ -1,0 +1,190 @@
+"""The lease socket: a same-host D server's lease calls on P's Unix socket, against real
+servers and NIXL (servers in this process, so that the test can look inside them).
+
+What must hold: transfers use the socket when P offers one and prove their bytes as on
+the stream; the socket is a private directory's and is gone after stop; hostile frames
+end only their own connection and change no lease; a D that cannot connect (or a P that
+offers none) falls back to the gRPC stream; a P that restarts is found again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvsvc.client import AsyncClient
+from kvsvc.client.lease_channel import usable_socket_path
+from kvsvc.config import Role, load_config
+from kvsvc.service.server import RunningServer, create_server
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from tests.e2e.harness import Engine
+
+
+@contextlib.asynccontextmanager
+async def pair(**p_overrides: Any) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
+    p, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="ls-p", role=Role.PREFILL,
+                                           **p_overrides))
+    d, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="ls-d", role=Role.DECODE))
+    try:
+        yield p, d
+    finally:
+        await d.stop(0)
+        await p.stop(0)
+
+
+def d_lease_carriers(d: RunningServer) -> list[str]:
+    return [peer.lease.carrier for peer in d.decoder.peers.listing() if peer.lease is not None]
+
+
+def same_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool:
+    """D's block d_block holds P's block p_block in every region (TP 1 to TP 1, one layout)."""
+    return all(
+        bytes(de.mem[0].buf[r.pool_offset + d_block * r.block_stride:][:r.block_len])
+        == bytes(pe.mem[0].buf[r.pool_offset + p_block * r.block_stride:][:r.block_len])
+        for r in de.mem[0].regions)
+
+
+async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: Engine, rid: str,
+                             p_block: int, d_block: int) -> None:
+    """One transfer of fresh bytes; D's block must hold them and P's lease be settled."""
+    for r in pe.mem[0].regions:  # bytes D's block does not hold yet
+        start = r.pool_offset + p_block * r.block_stride
+        pe.mem[0].buf[start:start + r.block_len] = (sum(map(ord, rid)) % 251) + 1
+    pub = await pc.publish_blocks(rid, [[p_block]])
+    await dc.transfer(f"d-{rid}", pub.params, [[d_block]])
+    assert same_bytes(pe, p_block, de, d_block)
+    assert (await pc.get_info()).live_leases == 0  # consumed: the claim reported it
+
+
+async def test_transfers_use_the_socket_and_it_is_private_and_removed():
+    async with pair() as (p, d):
+        path = p.node.lease_socket_path
+        assert path and usable_socket_path(path) == path
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700  # only this user may connect
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+            pe, de = await Engine.of(pc), await Engine.of(dc)
+            try:
+                for i in range(5):
+                    await transfer_and_check(pc, dc, pe, de, f"sock-{i}", 3 + i, 10 + i)
+            finally:
+                pe.close()
+                de.close()
+        assert d_lease_carriers(d) == ["socket"]
+        assert p.lease_socket is not None and p.lease_socket.connections_served == 1
+    assert not os.path.exists(os.path.dirname(path))  # stop removed the socket and its directory
+
+
+async def test_without_a_socket_lease_calls_go_over_grpc():
+    async with pair(lease_socket=False) as (p, d):
+        assert p.lease_socket is None and p.node.lease_socket_path == ""
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+            pe, de = await Engine.of(pc), await Engine.of(dc)
+            try:
+                await transfer_and_check(pc, dc, pe, de, "grpc-0", 3, 10)
+            finally:
+                pe.close()
+                de.close()
+        assert d_lease_carriers(d) == ["grpc"]
+
+
+async def test_a_socket_that_cannot_be_reached_falls_back_to_grpc():
+    """The path names a socket D cannot connect to (as from a P server on another host)."""
+    async with pair() as (p, d):
+        assert p.lease_socket is not None
+        os.unlink(p.lease_socket.path)  # still offered in the handshake, no longer there
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+            pe, de = await Engine.of(pc), await Engine.of(dc)
+            try:
+                await transfer_and_check(pc, dc, pe, de, "fallback-0", 3, 10)
+                await transfer_and_check(pc, dc, pe, de, "fallback-1", 4, 11)
+            finally:
+                pe.close()
+                de.close()
+        assert d_lease_carriers(d) == ["grpc"]
+
+
+async def raw_exchange(path: str, payload: bytes, wait_s: float = 1.0) -> bytes:
+    """Send payload on a fresh connection; everything P answers before it closes (or wait_s)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(payload)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(1 << 20), wait_s)
+    except TimeoutError:
+        return b"(still open)"
+    finally:
+        writer.close()
+
+
+def framed(msg: pb.LeaseChannelRequest) -> bytes:
+    data = msg.SerializeToString()  # the framing written out here, not taken from kvsvc
+    return len(data).to_bytes(4, "little") + data
+
+
+async def test_hostile_frames_end_their_connection_and_touch_no_lease(monkeypatch):
+    from kvsvc.service import lease_socket
+
+    monkeypatch.setattr(lease_socket, "FRAME_TIMEOUT_S", 0.3)
+    async with pair() as (p, _d):
+        assert p.lease_socket is not None
+        path = p.lease_socket.path
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc:
+            pub = await pc.publish_blocks("victim", [[5]])
+            token = pub.params.lease_token
+            bad = [
+                (1 << 31).to_bytes(4, "little") + b"x" * 16,  # a length over the limit
+                (7).to_bytes(4, "little") + b"\xff" * 7,  # not a LeaseChannelRequest
+                framed(pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=i) for i in range(5000)])),  # too many
+                b"\x01\x00",  # a header cut short, then nothing (closed after FRAME_TIMEOUT_S)
+                (100).to_bytes(4, "little") + b"\x08",  # a body cut short, likewise
+            ]
+            for payload in bad:
+                got = await raw_exchange(path, payload, wait_s=5.0)
+                assert got == b"", (payload[:8], got[:64])  # closed, nothing answered
+            # A well-formed call gets an answer (the framing written out here): an abort
+            # without the token is refused and leaves the lease as it was.
+            call = pb.LeaseCall(call_id=7, notify=pb.NotifyRequest(
+                request_id="victim", kind=pb.NOTIFY_KIND_ABORTED, lease_epoch=pub.params.remote_epoch,
+                lease_token="not-the-token"))
+            got = await raw_exchange(path, framed(pb.LeaseChannelRequest(calls=[call])))
+            size = int.from_bytes(got[:4], "little")
+            answer = pb.LeaseChannelResponse.FromString(got[4:4 + size]).answers[0]
+            assert answer.call_id == 7 and answer.WhichOneof("result") == "error_status"
+            info = await pc.get_info()
+            assert info.live_leases == 1
+            # The server still answers everyone, and the lease is still the token holder's.
+            from kvsvc.client.leases import abort_published
+            answers = await abort_published(pub.params, engine_id="router")
+            assert token and list(answers.values()) == ["LEASE_STATE_ABORTED"], answers
+
+
+async def test_a_restarted_prefill_server_is_found_again():
+    async with pair() as (p, d):
+        async with AsyncClient(f"127.0.0.1:{d.port}") as dc:
+            async with AsyncClient(f"127.0.0.1:{p.port}") as pc:
+                pe, de = await Engine.of(pc), await Engine.of(dc)
+                try:
+                    await transfer_and_check(pc, dc, pe, de, "before", 3, 10)
+                finally:
+                    pe.close()
+            old_path = p.node.lease_socket_path
+            port = p.port
+            await p.stop(0)
+            p2, _ = await create_server(load_config(listen=f"127.0.0.1:{port}", tp_size=1, engine_id="ls-p",
+                                                    role=Role.PREFILL))
+            try:
+                assert p2.node.lease_socket_path != old_path
+                async with AsyncClient(f"127.0.0.1:{port}") as pc:
+                    pe = await Engine.of(pc)
+                    try:
+                        await transfer_and_check(pc, dc, pe, de, "after", 4, 11)
+                    finally:
+                        pe.close()
+                        de.close()
+                assert p2.lease_socket is not None and p2.lease_socket.connections_served == 1
+            finally:
+                await p2.stop(0)
