@@ -226,18 +226,26 @@ class LeaseTable:
         that the lease was never released while they read. digest (blocks_digest of the
         params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
         """
+        prior = self._live.get(request_id)
+        was_claimed = prior is not None and prior.state is LeaseState.CLAIMED
         lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
                             d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
-                            digest=digest)
+                            digest=digest, announce=not consumed)
         if consumed:
             assert lease.tracker is not None
             lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
             if lease.tracker.done:
-                self._release(lease, LeaseState.CONSUMED)
+                # Claimed and consumed in one step: its READs are over, so nobody reads
+                # while it is claimed, and on_claim_change (the data plane's pump) hears of
+                # neither edge.
+                self._release(lease, LeaseState.CONSUMED, claim_announced=was_claimed)
+            elif not was_claimed:
+                self.on_claim_change(+1)  # other D ranks still read
         return lease
 
     def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
-               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes) -> Lease:
+               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes,
+               announce: bool = True) -> Lease:
         lease = self._live_lease(request_id, epoch)
         _check_token(lease, token)
         if digest and not secrets.compare_digest(digest, lease.digest):
@@ -273,7 +281,8 @@ class LeaseTable:
             lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size, d_dcp_size, self.dcp_size)
             self._claimed += 1
             self._no_claims.clear()
-            self.on_claim_change(+1)
+            if announce:
+                self.on_claim_change(+1)
         self._extend(lease, extend_s)
         return lease
 
@@ -378,14 +387,15 @@ class LeaseTable:
         heapq.heappush(self._heap, (lease.expires_at, lease.request_id))
         self._wake.set()
 
-    def _release(self, lease: Lease, reason: LeaseState, announce: bool = True) -> None:
+    def _release(self, lease: Lease, reason: LeaseState, announce: bool = True, claim_announced: bool = True) -> None:
         if lease.state.released:
             return
         if lease.state is LeaseState.CLAIMED:
             self._claimed -= 1
             if not self._claimed:
                 self._no_claims.set()
-            self.on_claim_change(-1)
+            if claim_announced:
+                self.on_claim_change(-1)
         lease.state = reason
         lease.released_unix_ms = _unix_ms()
         self._live.pop(lease.request_id, None)
