@@ -198,3 +198,33 @@ async def transfer_and_check(s: Session, request_id: str, p_ids: list[list[int]]
     assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED], events
     assert (await s.pc.get_info()).live_leases == 0
     return resp
+
+
+@contextlib.asynccontextmanager
+async def in_process_pair(name: str, **p_overrides: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """A TP 1 P server and D server in this process (for tests that look inside them or
+    hold their calls), engine ids <name>-p and <name>-d; stopped D first."""
+    from kvsvc.config import Role, load_config
+    from kvsvc.service.server import create_server
+
+    p, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id=f"{name}-p",
+                                           role=Role.PREFILL, **p_overrides))
+    try:
+        d, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id=f"{name}-d",
+                                               role=Role.DECODE))
+    except BaseException:
+        await p.stop(0)
+        raise
+    try:
+        yield p, d
+    finally:
+        await d.stop(0)
+        await p.stop(0)
+
+
+def same_block_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool:
+    """D's block d_block holds P's block p_block in every region (TP 1 to TP 1, one layout)."""
+    return all(
+        bytes(de.mem[0].buf[r.pool_offset + d_block * r.block_stride:][:r.block_len])
+        == bytes(pe.mem[0].buf[r.pool_offset + p_block * r.block_stride:][:r.block_len])
+        for r in de.mem[0].regions)

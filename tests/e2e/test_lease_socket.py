@@ -10,42 +10,19 @@ offers none) falls back to the gRPC stream; a P that restarts is found again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import stat
-from collections.abc import AsyncIterator
-from typing import Any
 
 from kvsvc.client import AsyncClient
 from kvsvc.client.lease_channel import usable_socket_path
 from kvsvc.config import Role, load_config
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine
-
-
-@contextlib.asynccontextmanager
-async def pair(**p_overrides: Any) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
-    p, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="ls-p", role=Role.PREFILL,
-                                           **p_overrides))
-    d, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="ls-d", role=Role.DECODE))
-    try:
-        yield p, d
-    finally:
-        await d.stop(0)
-        await p.stop(0)
+from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
 
 
 def d_lease_carriers(d: RunningServer) -> list[str]:
     return [peer.lease.carrier for peer in d.decoder.peers.listing() if peer.lease is not None]
-
-
-def same_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool:
-    """D's block d_block holds P's block p_block in every region (TP 1 to TP 1, one layout)."""
-    return all(
-        bytes(de.mem[0].buf[r.pool_offset + d_block * r.block_stride:][:r.block_len])
-        == bytes(pe.mem[0].buf[r.pool_offset + p_block * r.block_stride:][:r.block_len])
-        for r in de.mem[0].regions)
 
 
 async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: Engine, rid: str,
@@ -56,12 +33,12 @@ async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: E
         pe.mem[0].buf[start:start + r.block_len] = (sum(map(ord, rid)) % 251) + 1
     pub = await pc.publish_blocks(rid, [[p_block]])
     await dc.transfer(f"d-{rid}", pub.params, [[d_block]])
-    assert same_bytes(pe, p_block, de, d_block)
+    assert same_block_bytes(pe, p_block, de, d_block)
     assert (await pc.get_info()).live_leases == 0  # consumed: the claim reported it
 
 
 async def test_transfers_use_the_socket_and_it_is_private_and_removed():
-    async with pair() as (p, d):
+    async with in_process_pair("ls") as (p, d):
         path = p.node.lease_socket_path
         assert path and usable_socket_path(path) == path
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700  # only this user may connect
@@ -79,7 +56,7 @@ async def test_transfers_use_the_socket_and_it_is_private_and_removed():
 
 
 async def test_without_a_socket_lease_calls_go_over_grpc():
-    async with pair(lease_socket=False) as (p, d):
+    async with in_process_pair("ls", lease_socket=False) as (p, d):
         assert p.lease_socket is None and p.node.lease_socket_path == ""
         async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
             pe, de = await Engine.of(pc), await Engine.of(dc)
@@ -93,7 +70,7 @@ async def test_without_a_socket_lease_calls_go_over_grpc():
 
 async def test_a_socket_that_cannot_be_reached_falls_back_to_grpc():
     """The path names a socket D cannot connect to (as from a P server on another host)."""
-    async with pair() as (p, d):
+    async with in_process_pair("ls") as (p, d):
         assert p.lease_socket is not None
         os.unlink(p.lease_socket.path)  # still offered in the handshake, no longer there
         async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
@@ -129,7 +106,7 @@ async def test_hostile_frames_end_their_connection_and_touch_no_lease(monkeypatc
     from kvsvc.service import lease_socket
 
     monkeypatch.setattr(lease_socket, "FRAME_TIMEOUT_S", 0.3)
-    async with pair() as (p, _d):
+    async with in_process_pair("ls") as (p, _d):
         assert p.lease_socket is not None
         path = p.lease_socket.path
         async with AsyncClient(f"127.0.0.1:{p.port}") as pc:
@@ -163,7 +140,7 @@ async def test_hostile_frames_end_their_connection_and_touch_no_lease(monkeypatc
 
 
 async def test_a_restarted_prefill_server_is_found_again():
-    async with pair() as (p, d):
+    async with in_process_pair("ls") as (p, d):
         async with AsyncClient(f"127.0.0.1:{d.port}") as dc:
             async with AsyncClient(f"127.0.0.1:{p.port}") as pc:
                 pe, de = await Engine.of(pc), await Engine.of(dc)

@@ -20,23 +20,11 @@ import pytest
 
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import abort_published
-from kvsvc.config import Role, load_config
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.service import decode
-from kvsvc.service.server import RunningServer, create_server
+from kvsvc.service.server import RunningServer
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine
-
-
-@contextlib.asynccontextmanager
-async def pair() -> AsyncIterator[tuple[RunningServer, RunningServer]]:
-    p, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="rtc-p", role=Role.PREFILL))
-    d, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="rtc-d", role=Role.DECODE))
-    try:
-        yield p, d
-    finally:
-        await d.stop(0)
-        await p.stop(0)
+from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
 
 
 class Gate:
@@ -75,16 +63,8 @@ async def engines(p: RunningServer, d: RunningServer) -> AsyncIterator[tuple[Asy
             de.close()
 
 
-def same_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool:
-    """D's block d_block holds P's block p_block in every region (TP 1 to TP 1, one layout)."""
-    return all(
-        bytes(de.mem[0].buf[r.pool_offset + d_block * r.block_stride:][:r.block_len])
-        == bytes(pe.mem[0].buf[r.pool_offset + p_block * r.block_stride:][:r.block_len])
-        for r in de.mem[0].regions)
-
-
 async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passes_new_bytes():
-    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, _de):
+    async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, _de):
         pe.fill([[3]])
         for how in ("aborted", "expired"):
             gate = Gate(d)
@@ -114,7 +94,7 @@ async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passe
 
 async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(monkeypatch):
     monkeypatch.setattr(decode, "EARLY_CLAIM_S", 0.01)
-    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, de):
+    async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         pub = await pc.publish_blocks("long", [[3]])
         # Hold the READ's completion, not its post: the claim goes out while it runs.
@@ -150,12 +130,12 @@ async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(mon
         release.set()
         resp = await call
         assert resp.total_bytes > 0
-        assert same_bytes(pe, 3, de, 4)
+        assert same_block_bytes(pe, 3, de, 4)
         assert p.node.leases.live_count == 0
 
 
 async def test_two_readers_of_one_lease_one_wins_and_the_other_is_refused():
-    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, _de):
+    async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, _de):
         for i in range(20):
             pe.fill([[3]])
             pub = await pc.publish_blocks(f"dup{i}", [[3]])
@@ -171,7 +151,7 @@ async def test_two_readers_of_one_lease_one_wins_and_the_other_is_refused():
 async def test_params_stitched_from_two_publishes_are_refused_not_read_as_good():
     """Request a's token with request b's blocks: b's bytes must not pass as a's (b's lease
     may be gone and its blocks reused); a stays leased for its real params."""
-    async with pair() as (p, d), engines(p, d) as (pc, dc, pe, de):
+    async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         a = await pc.publish_blocks("a", [[3]])
         b = await pc.publish_blocks("b", [[6]])
@@ -187,4 +167,4 @@ async def test_params_stitched_from_two_publishes_are_refused_not_read_as_good()
         lease = p.node.leases.get("a")
         assert lease is not None and not lease.claims, "a refused claim holds nothing"
         await dc.transfer("d-a", a.params, [[4]])
-        assert same_bytes(pe, 3, de, 4)
+        assert same_block_bytes(pe, 3, de, 4)
