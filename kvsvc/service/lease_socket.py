@@ -48,13 +48,17 @@ class LeaseSocket:
     def __init__(self, answer: Answer, max_message_bytes: int, epoch: int) -> None:
         self._answer = answer
         self._max_bytes = max_message_bytes
-        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{epoch & 0xFFFFFFFF:08x}-")  # mode 0700
-        self.path = os.path.join(self._dir, SOCKET_NAME)
+        self._epoch = epoch
+        self._dir = ""
+        self.path = ""
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.connections_served = 0  # connections accepted so far (for tests and inspection)
 
     async def start(self) -> None:
+        """Make the private directory and listen in it (OSError when the temp dir cannot hold it)."""
+        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{self._epoch & 0xFFFFFFFF:08x}-")  # mode 0700
+        self.path = os.path.join(self._dir, SOCKET_NAME)
         try:
             self._server = await asyncio.start_unix_server(self._serve, path=self.path)
         except BaseException:
@@ -74,7 +78,8 @@ class LeaseSocket:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

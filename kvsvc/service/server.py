@@ -147,14 +147,16 @@ async def create_server(
     if creds is None and config.lease_socket and config.role is not Role.DECODE and node.data is not None:
         # Same-host D servers carry their lease calls here (under TLS they stay on gRPC, with
         # the caller's certificate); offered in the handshake answer.
-        running.lease_socket = LeaseSocket(servicer.lease_call, config.max_message_bytes, node.epoch)
+        lease_socket = LeaseSocket(servicer.lease_call, config.max_message_bytes, node.epoch)
         try:
-            await running.lease_socket.start()
+            await lease_socket.start()
+        except OSError as e:  # an optimisation only: serve without it
+            log.warning("no lease socket (%s): D servers on this host will use the gRPC stream", e)
         except BaseException:
-            running.lease_socket = None
             await running.stop(0, drain_s=0)
             raise
-        node.lease_socket_path = running.lease_socket.path
+        else:
+            running.lease_socket, node.lease_socket_path = lease_socket, lease_socket.path
     if config.metrics_listen:
         try:
             running.metrics_address = node.metrics.serve(config.metrics_listen)

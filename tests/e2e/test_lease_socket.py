@@ -68,6 +68,23 @@ async def test_without_a_socket_lease_calls_go_over_grpc():
         assert d_lease_carriers(d) == ["grpc"]
 
 
+async def test_a_server_that_cannot_make_its_socket_serves_without_one(monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent-kvsvc-tmp")  # mkdtemp fails there
+    async with in_process_pair("ls") as (p, d):
+        assert p.lease_socket is None and p.node.lease_socket_path == ""
+        monkeypatch.undo()
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+            pe, de = await Engine.of(pc), await Engine.of(dc)
+            try:
+                await transfer_and_check(pc, dc, pe, de, "notmp-0", 3, 10)
+            finally:
+                pe.close()
+                de.close()
+        assert d_lease_carriers(d) == ["grpc"]
+
+
 async def test_a_socket_that_cannot_be_reached_falls_back_to_grpc():
     """The path names a socket D cannot connect to (as from a P server on another host)."""
     async with in_process_pair("ls") as (p, d):
