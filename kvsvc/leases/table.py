@@ -140,6 +140,9 @@ class LeaseTable:
     tp_size: int
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
+    # +1 when a lease becomes claimed while its readers may still read (the data plane keeps
+    # progressing), -1 when such a lease is released; a lease claimed and consumed in one
+    # step (its READs were over) is neither.
     on_claim_change: Callable[[int], None] = lambda delta: None
     on_release: Callable[[LeaseState], None] = lambda reason: None
     max_live: int = 65_536
