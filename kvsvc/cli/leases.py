@@ -27,7 +27,8 @@ def format_leases(resp: pb.ListLeasesResponse, now_unix_ms: int | None = None) -
     if len(resp.leases) < resp.live_leases:
         lines.append(f"... {resp.live_leases - len(resp.leases)} more (--limit)")
     for p in resp.peers:
-        channel = "LeaseChannel open" if p.lease_channel_open else "no LeaseChannel"
+        channel = (f"LeaseChannel open ({p.lease_carrier or 'grpc'})" if p.lease_channel_open
+                   else "no LeaseChannel")
         lines.append(f"peer {p.address}  engine {p.engine_id}  TP {p.tp_size}  epoch {p.epoch}  "
                      f"{p.transfers_using} transfers using it, {channel}")
     return "\n".join(lines)

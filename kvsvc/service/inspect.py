@@ -25,7 +25,8 @@ def _lease_info(lease: Lease, now: float, now_unix_ms: int) -> pb.LeaseInfo:
 
 def _peer_info(peer: Peer) -> pb.PeerInfo:
     return pb.PeerInfo(address=peer.address, engine_id=peer.engine_id, epoch=peer.epoch, tp_size=peer.tp_size,
-                       transfers_using=peer.users, lease_channel_open=peer.lease is not None and peer.lease.is_open)
+                       transfers_using=peer.users, lease_channel_open=peer.lease is not None and peer.lease.is_open,
+                       lease_carrier=peer.lease.carrier if peer.lease is not None else "grpc")
 
 
 def list_leases(node: Node, decoder: Decoder, req: pb.ListLeasesRequest) -> pb.ListLeasesResponse:

@@ -765,20 +765,22 @@ class LeaseInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., published_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., num_blocks: _Optional[int] = ..., claimed_by_engine_id: _Optional[str] = ..., claimed_by_tp_size: _Optional[int] = ..., num_claims: _Optional[int] = ..., pending_d_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("address", "engine_id", "epoch", "tp_size", "transfers_using", "lease_channel_open")
+    __slots__ = ("address", "engine_id", "epoch", "tp_size", "transfers_using", "lease_channel_open", "lease_carrier")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_USING_FIELD_NUMBER: _ClassVar[int]
     LEASE_CHANNEL_OPEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CARRIER_FIELD_NUMBER: _ClassVar[int]
     address: str
     engine_id: str
     epoch: int
     tp_size: int
     transfers_using: int
     lease_channel_open: bool
-    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., transfers_using: _Optional[int] = ..., lease_channel_open: _Optional[bool] = ...) -> None: ...
+    lease_carrier: str
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., transfers_using: _Optional[int] = ..., lease_channel_open: _Optional[bool] = ..., lease_carrier: _Optional[str] = ...) -> None: ...
 
 class ListLeasesResponse(_message.Message):
     __slots__ = ("leases", "live_leases", "claimed_leases", "peers", "running_transfers")

@@ -34,7 +34,7 @@ async def test_leases_and_info_of_a_pd_pair():
         assert listed["leases"][0]["state"] == "LEASE_STATE_OFFERED" and listed["leases"][0]["num_blocks"] == 2
         text = kvsvc("leases", d.address)
         assert text.returncode == 0, text.stderr
-        assert f"peer {p.address}  engine cli-p" in text.stdout and "LeaseChannel open" in text.stdout
+        assert f"peer {p.address}  engine cli-p" in text.stdout and "LeaseChannel open (socket)" in text.stdout
         info = kvsvc("info", p.address, "--json")
         assert info.returncode == 0 and json.loads(info.stdout)["engine_id"] == "cli-p"
     finally:

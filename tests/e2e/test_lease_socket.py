@@ -21,8 +21,10 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
 
 
-def d_lease_carriers(d: RunningServer) -> list[str]:
-    return [peer.lease.carrier for peer in d.decoder.peers.listing() if peer.lease is not None]
+async def d_lease_carriers(d: RunningServer) -> list[str]:
+    """What D says (ListLeases, as `kvsvc leases` shows it) carries its lease calls to each peer."""
+    async with AsyncClient(f"127.0.0.1:{d.port}") as dc:
+        return [p.lease_carrier for p in (await dc.list_leases()).peers]
 
 
 async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: Engine, rid: str,
@@ -50,7 +52,7 @@ async def test_transfers_use_the_socket_and_it_is_private_and_removed():
             finally:
                 pe.close()
                 de.close()
-        assert d_lease_carriers(d) == ["socket"]
+        assert await d_lease_carriers(d) == ["socket"]
         assert p.lease_socket is not None and p.lease_socket.connections_served == 1
     assert not os.path.exists(os.path.dirname(path))  # stop removed the socket and its directory
 
@@ -65,7 +67,7 @@ async def test_without_a_socket_lease_calls_go_over_grpc():
             finally:
                 pe.close()
                 de.close()
-        assert d_lease_carriers(d) == ["grpc"]
+        assert await d_lease_carriers(d) == ["grpc"]
 
 
 async def test_a_server_that_cannot_make_its_socket_serves_without_one(monkeypatch):
@@ -82,7 +84,7 @@ async def test_a_server_that_cannot_make_its_socket_serves_without_one(monkeypat
             finally:
                 pe.close()
                 de.close()
-        assert d_lease_carriers(d) == ["grpc"]
+        assert await d_lease_carriers(d) == ["grpc"]
 
 
 async def test_a_socket_that_cannot_be_reached_falls_back_to_grpc():
@@ -98,7 +100,7 @@ async def test_a_socket_that_cannot_be_reached_falls_back_to_grpc():
             finally:
                 pe.close()
                 de.close()
-        assert d_lease_carriers(d) == ["grpc"]
+        assert await d_lease_carriers(d) == ["grpc"]
 
 
 async def raw_exchange(path: str, payload: bytes, wait_s: float = 1.0) -> bytes:
