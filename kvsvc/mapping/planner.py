@@ -37,12 +37,14 @@ class Side:
     pool: PoolLayout
     # Per region, a number shared by the regions of one shape (geometry.region_shape): a
     # plan computes the reads of one region per shape and repeats them over the others.
-    shape_ids: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    shape_ids: tuple[int, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape_ids", _shape_ids(self.pool))
 
     @classmethod
     def of(cls, layout: EngineLayout, tp_size: int) -> Side:
-        pool = build_pool_layout(layout)
-        return cls(layout, tp_size, pool, _shape_ids(pool))
+        return cls(layout, tp_size, build_pool_layout(layout))
 
 
 def _shape_ids(pool: PoolLayout) -> tuple[int, ...]:
@@ -243,8 +245,7 @@ def plan_rank(
     # layers of a group). DCP regions are planned one by one (their pairs differ per rank).
     per_rank: dict[int, list[tuple[Reads, np.ndarray]]] = {}
     regions, remote_regions = local.pool.regions, remote.pool.regions
-    for first, members in _region_classes(local.shape_ids or _shape_ids(local.pool),
-                                          remote.shape_ids or _shape_ids(remote.pool)):
+    for first, members in _region_classes(local.shape_ids, remote.shape_ids):
         a, b = regions[first], remote_regions[first]
         lids, rids = blocks.ids[a.group_index]  # a class's regions share one group
         if lids.size == 0:

@@ -39,19 +39,24 @@ async def transfer_and_check(pc: AsyncClient, dc: AsyncClient, pe: Engine, de: E
     assert (await pc.get_info()).live_leases == 0  # consumed: the claim reported it
 
 
+async def transfers(p: RunningServer, d: RunningServer, *requests: tuple[str, int, int]) -> None:
+    """transfer_and_check for each (request id, P block, D block), with clients and pools of both."""
+    async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+        pe, de = await Engine.of(pc), await Engine.of(dc)
+        try:
+            for rid, p_block, d_block in requests:
+                await transfer_and_check(pc, dc, pe, de, rid, p_block, d_block)
+        finally:
+            pe.close()
+            de.close()
+
+
 async def test_transfers_use_the_socket_and_it_is_private_and_removed():
     async with in_process_pair("ls") as (p, d):
         path = p.node.lease_socket_path
         assert path and usable_socket_path(path) == path
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700  # only this user may connect
-        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            try:
-                for i in range(5):
-                    await transfer_and_check(pc, dc, pe, de, f"sock-{i}", 3 + i, 10 + i)
-            finally:
-                pe.close()
-                de.close()
+        await transfers(p, d, *((f"sock-{i}", 3 + i, 10 + i) for i in range(5)))
         assert await d_lease_carriers(d) == ["socket"]
         assert p.lease_socket is not None and p.lease_socket.connections_served == 1
     assert not os.path.exists(os.path.dirname(path))  # stop removed the socket and its directory
@@ -60,13 +65,7 @@ async def test_transfers_use_the_socket_and_it_is_private_and_removed():
 async def test_without_a_socket_lease_calls_go_over_grpc():
     async with in_process_pair("ls", lease_socket=False) as (p, d):
         assert p.lease_socket is None and p.node.lease_socket_path == ""
-        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            try:
-                await transfer_and_check(pc, dc, pe, de, "grpc-0", 3, 10)
-            finally:
-                pe.close()
-                de.close()
+        await transfers(p, d, ("grpc-0", 3, 10))
         assert await d_lease_carriers(d) == ["grpc"]
 
 
@@ -77,13 +76,7 @@ async def test_a_server_that_cannot_make_its_socket_serves_without_one(monkeypat
     async with in_process_pair("ls") as (p, d):
         assert p.lease_socket is None and p.node.lease_socket_path == ""
         monkeypatch.undo()
-        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            try:
-                await transfer_and_check(pc, dc, pe, de, "notmp-0", 3, 10)
-            finally:
-                pe.close()
-                de.close()
+        await transfers(p, d, ("notmp-0", 3, 10))
         assert await d_lease_carriers(d) == ["grpc"]
 
 
@@ -92,14 +85,7 @@ async def test_a_socket_that_cannot_be_reached_falls_back_to_grpc():
     async with in_process_pair("ls") as (p, d):
         assert p.lease_socket is not None
         os.unlink(p.lease_socket.path)  # still offered in the handshake, no longer there
-        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
-            pe, de = await Engine.of(pc), await Engine.of(dc)
-            try:
-                await transfer_and_check(pc, dc, pe, de, "fallback-0", 3, 10)
-                await transfer_and_check(pc, dc, pe, de, "fallback-1", 4, 11)
-            finally:
-                pe.close()
-                de.close()
+        await transfers(p, d, ("fallback-0", 3, 10), ("fallback-1", 4, 11))
         assert await d_lease_carriers(d) == ["grpc"]
 
 
