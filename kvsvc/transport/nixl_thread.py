@@ -9,6 +9,14 @@ waking once every IDLE_BEAT_S after peers connected (UCX needs that much, see th
 Results reach asyncio as futures resolved with call_soon_threadsafe; nothing polls on
 the event loop.
 
+A short READ is posted from the event loop itself (post(..., inline=True)): a hand-off to
+this thread and back costs two wake-ups and more than the post does, and a READ between
+processes of one host is often complete when NIXL's transfer() returns. NIXL's agents are
+made without locks of their own (one caller at a time), so every NIXL call of the thread
+is made holding `_nixl`, and the event loop posts only when it can take that lock at once:
+otherwise the READ queues as before, and the loop never waits for the thread. A READ that
+is still running after its inline post is handed to this thread to be polled.
+
 The thread waits for work with select() on a pipe that every submission writes a byte
 to, never with queue.SimpleQueue.get(timeout=...): on this machine (CPython 3.11) a get
 with a timeout of tens of microseconds was seen to block for seconds with the queue empty
@@ -55,6 +63,7 @@ class InFlight:
     result: asyncio.Future[float]
     settled: asyncio.Event
     posted_at: float = field(default_factory=time.perf_counter)
+    elapsed: float = 0.0
 
 
 class TransferError(Exception):
@@ -82,6 +91,10 @@ class NixlThread:
         self._beat = False
         self._next_beat = 0.0  # monotonic time the beat is next due
         self._notif_sink: Callable[[Any, dict[str, list[bytes]]], None] | None = None
+        # Held for every NIXL call: by this thread while it works, by the event loop for an
+        # inline post (taken without waiting, see the module docstring).
+        self._nixl = threading.Lock()
+        self._stopping = False  # set, holding _nixl, once the thread drains for stop()
         self._thread = threading.Thread(target=self._run_main, name=name, daemon=True)
         self._started = False
         self.on_dead: Callable[[], object] | None = None
@@ -131,11 +144,34 @@ class NixlThread:
         self._submit((fn, args, fut, loop))
         return await fut
 
-    async def post(self, agent: Any, make_handle: Callable[[], Any]) -> InFlight:
-        """Create (on the thread) and post a transfer; the returned InFlight resolves later."""
+    async def post(self, agent: Any, make_handle: Callable[[], Any], inline: bool = False) -> InFlight:
+        """Create and post a transfer; the returned InFlight resolves later.
+
+        inline: post it from the calling (event loop) thread when NIXL is free at once,
+        else on the NIXL thread. For short READs only: a READ between processes of one
+        host copies inside the post.
+        """
         self._check_alive()
         loop = asyncio.get_running_loop()
         fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
+        if inline and self._nixl.acquire(blocking=False):
+            try:
+                if self._stopping:  # nobody would poll it: refuse, as a dead thread does
+                    raise TransferError("the NIXL thread is stopping")
+                done, error = self._start(fl, make_handle)
+                if done:
+                    self._end(fl)
+            finally:
+                self._nixl.release()
+            if done:
+                if error is None:
+                    fl.result.set_result(fl.elapsed)
+                else:
+                    fl.result.set_exception(error)
+                fl.settled.set()
+            else:
+                self._submit((self._track, (fl,), None, None))  # still running: polled by the thread
+            return fl
         posted: asyncio.Future[InFlight] = loop.create_future()
         self._submit((self._post, (fl, make_handle), posted, loop))
         return await posted
@@ -171,19 +207,35 @@ class NixlThread:
     def _adjust_progress(self, delta: int) -> None:
         self._progress_refs = max(0, self._progress_refs + delta)
 
-    def _post(self, fl: InFlight, make_handle: Callable[[], Any]) -> InFlight:
+    @staticmethod
+    def _start(fl: InFlight, make_handle: Callable[[], Any]) -> tuple[bool, Exception | None]:
+        """Make and post the transfer (NIXL held by the caller): (over, its error)."""
         fl.handle = make_handle()
         fl.posted_at = time.perf_counter()
-        state = fl.agent.transfer(fl.handle)
-        if state == "PROC":  # progress it once at once: a small READ is often done by then
-            state = fl.agent.check_xfer_state(fl.handle)
+        try:
+            state = fl.agent.transfer(fl.handle)
+            if state == "PROC":  # progress it once at once: a small READ is often done by then
+                state = fl.agent.check_xfer_state(fl.handle)
+        except Exception:  # NIXL refused the post by raising: the handle is ours to free
+            try:
+                fl.agent.release_xfer_handle(fl.handle)
+            except Exception:
+                log.debug("release_xfer_handle failed", exc_info=True)
+            raise
         if state == "ERR":
-            self._finish(fl, TransferError("NIXL refused to post the transfer"))
-        elif state == "DONE":
-            self._finish(fl, None)
+            return True, TransferError("NIXL refused to post the transfer")
+        return state == "DONE", None
+
+    def _post(self, fl: InFlight, make_handle: Callable[[], Any]) -> InFlight:
+        over, error = self._start(fl, make_handle)
+        if over:
+            self._finish(fl, error)
         else:
             self._inflight.append(fl)
         return fl
+
+    def _track(self, fl: InFlight) -> None:
+        self._inflight.append(fl)
 
     def _abort(self, flights: list[InFlight]) -> None:
         wanted = {id(f) for f in flights}
@@ -201,18 +253,23 @@ class NixlThread:
             self._finish(fl, TransferError("transfer cancelled"), release=False)
         self._inflight = still
 
-    def _finish(self, fl: InFlight, error: Exception | None, release: bool = True) -> None:
-        elapsed = time.perf_counter() - fl.posted_at
+    @staticmethod
+    def _end(fl: InFlight, release: bool = True) -> None:
+        """Time the transfer and let go of its handle (NIXL held by the caller)."""
+        fl.elapsed = time.perf_counter() - fl.posted_at
         if release:
             try:
                 fl.agent.release_xfer_handle(fl.handle)
             except Exception:  # releasing a failed handle may fail too; the transfer is over either way
                 log.debug("release_xfer_handle failed", exc_info=True)
 
+    def _finish(self, fl: InFlight, error: Exception | None, release: bool = True) -> None:
+        self._end(fl, release)
+
         def resolve() -> None:
             if not fl.result.done():
                 if error is None:
-                    fl.result.set_result(elapsed)
+                    fl.result.set_result(fl.elapsed)
                 else:
                     fl.result.set_exception(error)
             fl.settled.set()
@@ -313,16 +370,18 @@ class NixlThread:
             else:
                 timeout = max(0.0, self._next_beat - time.monotonic()) if self._beat and self._progress_agents else None
             job = self._next_job(timeout)
-            if job is _STOP:
-                self._drain_for_stop()
-                return
-            if job is not None:
-                self._run_job(job)
-                sleep = PROGRESS_MIN_SLEEP_S
-            if self._poll():
-                sleep = PROGRESS_MIN_SLEEP_S
-            elif job is None:
-                sleep = min(sleep * 2, INFLIGHT_MAX_SLEEP_S)
+            with self._nixl:  # not while waiting above: the event loop may post meanwhile
+                if job is _STOP:
+                    self._stopping = True
+                    self._drain_for_stop()
+                    return
+                if job is not None:
+                    self._run_job(job)
+                    sleep = PROGRESS_MIN_SLEEP_S
+                if self._poll():
+                    sleep = PROGRESS_MIN_SLEEP_S
+                elif job is None:
+                    sleep = min(sleep * 2, INFLIGHT_MAX_SLEEP_S)
 
     def _next_job(self, timeout_s: float | None) -> Any:
         """The next queued job, waiting up to timeout_s (None: until one comes); None if none came.
