@@ -50,9 +50,19 @@ class Units:
     length: np.ndarray
 
 
+HeadRun = tuple[int, int, int, int]
+"""(first local head, count, remote rank, first remote head): local heads read together."""
+
+
+def head_runs(a: Region, b: Region, mapping: TPMapping, attn_sources: Sequence[int], ratio: int) -> list[HeadRun]:
+    """The head runs of an attention or latent region pair (what attention_units reads per block)."""
+    return _head_runs(a.heads if a.head_major else 1, mapping, attn_sources, b.heads if b.head_major else 1, ratio,
+                      latent=a.kind is RegionKind.LATENT)
+
+
 def _head_runs(
     local_heads: int, mapping: TPMapping, attn_sources: Sequence[int], remote_heads: int, ratio: int, latent: bool
-) -> list[tuple[int, int, int, int]]:
+) -> list[HeadRun]:
     """(first local head, count, remote rank, first remote head) runs for one region."""
     pairs: list[tuple[int, int]] = []
     for hl in range(local_heads):
@@ -61,7 +71,7 @@ def _head_runs(
             pairs.append((attn_sources[0], off + hl))
         else:
             pairs.append((attn_sources[hl // remote_heads], hl % remote_heads))
-    runs: list[tuple[int, int, int, int]] = []
+    runs: list[HeadRun] = []
     for hl, (r, hr) in enumerate(pairs):
         if runs and runs[-1][2] == r and runs[-1][3] + runs[-1][1] == hr:
             h0, c, r0, hr0 = runs[-1]
@@ -79,14 +89,14 @@ def region_shape(r: Region) -> tuple[object, ...]:
 
 def attention_units(
     a: Region, b: Region, local_ids: np.ndarray, remote_ids: np.ndarray, n: int,
-    mapping: TPMapping, attn_sources: Sequence[int], ratio: int,
+    mapping: TPMapping, attn_sources: Sequence[int], ratio: int, runs: Sequence[HeadRun] | None = None,
 ) -> dict[int, Units]:
-    """Units of an attention or latent region pair, keyed by remote rank."""
-    hl_count = a.heads if a.head_major else 1
-    hr_count = b.heads if b.head_major else 1
+    """Units of an attention or latent region pair, keyed by remote rank (runs: the pair's
+    head_runs, when the caller has them)."""
     row = a.head_bytes if a.head_major else a.heads * a.head_bytes
     chunk = b.tokens * row  # one head of one remote block
-    runs = _head_runs(hl_count, mapping, attn_sources, hr_count, ratio, latent=a.kind is RegionKind.LATENT)
+    if runs is None:
+        runs = head_runs(a, b, mapping, attn_sources, ratio)
     m, rc = local_ids.size, remote_ids.size
     out: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     if n == 1:
@@ -129,9 +139,12 @@ def ssm_units(
 
 
 def _stack(la: int, rb: int, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Units:
-    lo = np.concatenate([p[0].ravel() for p in parts]).astype(I64)
-    ro = np.concatenate([p[1].ravel() for p in parts]).astype(I64)
-    ln = np.concatenate([p[2].ravel() for p in parts]).astype(I64)
+    if len(parts) == 1:  # the common case: numpy's per-call cost is most of a short plan
+        lo, ro, ln = (np.asarray(x, I64).ravel() for x in parts[0])
+    else:
+        lo = np.concatenate([p[0].ravel() for p in parts]).astype(I64)
+        ro = np.concatenate([p[1].ravel() for p in parts]).astype(I64)
+        ln = np.concatenate([p[2].ravel() for p in parts]).astype(I64)
     return Units(np.full(lo.size, la, np.int32), lo, np.full(lo.size, rb, np.int32), ro, ln)
 
 
@@ -144,11 +157,15 @@ def coalesce(remote_rank: int, units: Sequence[Units], ordered: bool = False) ->
     if not units:
         e = np.zeros(0, I64)
         return Reads(remote_rank, e.astype(np.int32), e, e.astype(np.int32), e, e)
-    lr = np.concatenate([u.local_region for u in units])
-    lo = np.concatenate([u.local_offset for u in units])
-    rr = np.concatenate([u.remote_region for u in units])
-    ro = np.concatenate([u.remote_offset for u in units])
-    ln = np.concatenate([u.length for u in units])
+    if len(units) == 1:
+        u = units[0]
+        lr, lo, rr, ro, ln = u.local_region, u.local_offset, u.remote_region, u.remote_offset, u.length
+    else:
+        lr = np.concatenate([u.local_region for u in units])
+        lo = np.concatenate([u.local_offset for u in units])
+        rr = np.concatenate([u.remote_region for u in units])
+        ro = np.concatenate([u.remote_offset for u in units])
+        ln = np.concatenate([u.length for u in units])
     if not ordered:
         order = np.lexsort((lo, lr))
         lr, lo, rr, ro, ln = lr[order], lo[order], rr[order], ro[order], ln[order]

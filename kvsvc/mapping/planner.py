@@ -11,15 +11,17 @@ import numpy as np
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import check_compatibility
 from kvsvc.layout.engine import EngineLayout
-from kvsvc.layout.regions import PoolLayout, build_pool_layout
+from kvsvc.layout.regions import PoolLayout, Region, build_pool_layout
 from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
 from kvsvc.mapping.dcp import DcpGroup, dcp_group
 from kvsvc.mapping.geometry import (
+    HeadRun,
     Reads,
     Units,
     attention_units,
     check_block_ids,
     coalesce,
+    head_runs,
     region_shape,
     repeat_over_regions,
     ssm_units,
@@ -38,9 +40,16 @@ class Side:
     # Per region, a number shared by the regions of one shape (geometry.region_shape): a
     # plan computes the reads of one region per shape and repeats them over the others.
     shape_ids: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    # Hashed once: plans look their pair of sides up per request (_rank_work), and hashing
+    # a layout's every region each time cost ~50 us for 80 layers.
+    _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape_ids", _shape_ids(self.pool))
+        object.__setattr__(self, "_hash", hash((self.layout, self.tp_size, self.pool)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def of(cls, layout: EngineLayout, tp_size: int) -> Side:
@@ -61,6 +70,48 @@ def _region_classes(local_shapes: tuple[int, ...], remote_shapes: tuple[int, ...
     for i, key in enumerate(zip(local_shapes, remote_shapes, strict=True)):
         classes.setdefault(key, []).append(i)
     return tuple((members[0], np.array(members)) for members in classes.values())
+
+
+@dataclass(frozen=True, slots=True)
+class _ClassWork:
+    """One class of region pairs (see _region_classes) as a local rank reads it."""
+
+    local: Region  # the class's first pair: its reads are repeated over `members`
+    remote: Region
+    members: np.ndarray
+    sources: tuple[int, ...]  # remote ranks this rank reads the class's group from
+    runs: tuple[HeadRun, ...]  # attention and latent regions: local heads by remote rank
+
+
+@dataclass(frozen=True, slots=True)
+class _RankWork:
+    """What a plan of one local rank depends on besides the request's blocks."""
+
+    ratio: int
+    mapping: TPMapping
+    targets: tuple[int, ...]
+    classes: tuple[_ClassWork, ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_work(local: Side, remote: Side, local_rank: int) -> _RankWork:
+    """Cached per pair of sides and rank: a server plans against few peers' layouts, and
+    this part (TP mapping, handshake targets, head runs per class) was a third of a
+    short request's plan."""
+    lay = local.layout
+    ratio = tp_ratio(local.tp_size, remote.tp_size)
+    rdcp = remote.layout.dcp_size
+    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size,
+                            dcp_size=lay.dcp_size)
+    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types, rdcp)
+    classes = []
+    for first, members in _region_classes(local.shape_ids, remote.shape_ids):
+        a, b = local.pool.regions[first], remote.pool.regions[first]
+        sources = tuple(mapping.source_ranks_per_group[a.group_index])
+        runs = () if a.is_ssm else tuple(head_runs(a, b, mapping, sources, ratio))
+        classes.append(_ClassWork(a, b, members, sources, runs))
+    targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size, lay.dcp_size, rdcp))
+    return _RankWork(ratio, mapping, targets, tuple(classes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,12 +283,8 @@ def plan_rank(
         validate_pair(local, remote)
     if blocks is None:
         blocks = prepare_blocks(local, remote, local_block_ids, remote_block_ids, remote_num_tokens)
-    lay = local.layout
-    ratio = tp_ratio(local.tp_size, remote.tp_size)
-    rdcp = remote.layout.dcp_size
-    topo = TransferTopology(local_rank, local.tp_size, lay.total_num_kv_heads, lay.is_mla, lay.block_size,
-                            dcp_size=lay.dcp_size)
-    mapping = compute_tp_mapping(topo, remote.tp_size, lay.group_spec_types, rdcp)
+    work = _rank_work(local, remote, local_rank)
+    mapping, ratio = work.mapping, work.ratio
     n = blocks.block_ratio
     ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing
     # A region pair's reads depend on its shapes, not its index: they are computed and
@@ -245,18 +292,17 @@ def plan_rank(
     # layers of a group). DCP regions are planned one by one (their pairs differ per rank).
     per_rank: dict[int, list[tuple[Reads, np.ndarray]]] = {}
     regions, remote_regions = local.pool.regions, remote.pool.regions
-    for first, members in _region_classes(local.shape_ids, remote.shape_ids):
-        a, b = regions[first], remote_regions[first]
+    for c in work.classes:
+        a, b = c.local, c.remote
         lids, rids = blocks.ids[a.group_index]  # a class's regions share one group
         if lids.size == 0:
             continue
-        sources = mapping.source_ranks_per_group[a.group_index]
         grp = blocks.dcp[a.group_index] if blocks.dcp else None
         if grp is not None:
-            for i in members:
+            for i in c.members:
                 ai, bi = regions[i], remote_regions[i]
                 units: dict[int, list[Units]] = {}
-                for r in sources:  # each source fills the positions whose blocks it holds
+                for r in c.sources:  # each source fills the positions whose blocks it holds
                     pl, pr = grp.pairs(local_rank, r)
                     if pl.size:
                         for rr, u in attention_units(ai, bi, pl, pr, 1, mapping, (r,), ratio).items():
@@ -264,10 +310,9 @@ def plan_rank(
                 for rr, us in units.items():
                     per_rank.setdefault(rr, []).append((coalesce(rr, us), np.array([i])))
             continue
-        made = (ssm_units(a, b, lids, rids, sources, local_rank, local.tp_size, remote.tp_size) if a.is_ssm
-                else attention_units(a, b, lids, rids, n, mapping, sources, ratio))
+        made = (ssm_units(a, b, lids, rids, c.sources, local_rank, local.tp_size, remote.tp_size) if a.is_ssm
+                else attention_units(a, b, lids, rids, n, mapping, c.sources, ratio, runs=c.runs))
         for r, u in made.items():
-            per_rank.setdefault(r, []).append((coalesce(r, [u], ordered=ordered), members))
+            per_rank.setdefault(r, []).append((coalesce(r, [u], ordered=ordered), c.members))
     reads = tuple(repeat_over_regions(r, per_rank[r]) for r in sorted(per_rank))
-    targets = tuple(handshake_target_ranks(local_rank, local.tp_size, remote.tp_size, lay.dcp_size, rdcp))
-    return RankPlan(local_rank, ratio, targets, mapping, reads, blocks.skipped)
+    return RankPlan(local_rank, ratio, work.targets, mapping, reads, blocks.skipped)
