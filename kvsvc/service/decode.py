@@ -120,6 +120,14 @@ async def _all_read(posted: list[Posted]) -> None:
         raise Internal("TRANSFER_FAILED", f"a READ failed: {e}") from e
 
 
+def _check_read(posted: list[Posted]) -> None:
+    """For READs that all ended already: TRANSFER_FAILED when one failed (as _all_read says)."""
+    for x in posted:
+        error = x.flight.result.exception()
+        if error is not None:
+            raise Internal("TRANSFER_FAILED", f"a READ failed: {error}") from error
+
+
 async def _settle_post(post: asyncio.Future[InFlight]) -> bool:
     """Wait out a READ being posted (even if cancelled again); True when it was posted."""
     while not post.done():
@@ -352,23 +360,26 @@ class Decoder:
                     raise
                 posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
             marks.append(("post", time.perf_counter()))
-            reads_done = asyncio.ensure_future(_all_read(posted))
-            try:
-                async with asyncio.timeout(min(EARLY_CLAIM_S, self._left(deadline))):  # not wait_for:
-                    await asyncio.shield(reads_done)  # in 3.11 it can swallow a cancel that races the result
-            except TimeoutError:
-                claimed = self._claim(legs, own, deadline, span, clock)
-                keepers = [asyncio.ensure_future(heartbeat(leg, own, claimed)) for leg in legs]
-                both = asyncio.gather(claimed, reads_done)
+            if all(x.flight.result.done() for x in posted):
+                _check_read(posted)  # short READs often end inside their post: nothing to wait for
+            else:
+                reads_done = asyncio.ensure_future(_all_read(posted))
                 try:
-                    async with asyncio.timeout(self._left(deadline)):
-                        await both
-                except TimeoutError as e:
-                    raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
-                                           {"request_id": req.request_id}) from e
-                finally:
-                    if both.done() and not both.cancelled():
-                        both.exception()  # raised above, or a cancellation of its parts: seen either way
+                    async with asyncio.timeout(min(EARLY_CLAIM_S, self._left(deadline))):  # not wait_for:
+                        await asyncio.shield(reads_done)  # in 3.11 it can swallow a cancel that races the result
+                except TimeoutError:
+                    claimed = self._claim(legs, own, deadline, span, clock)
+                    keepers = [asyncio.ensure_future(heartbeat(leg, own, claimed)) for leg in legs]
+                    both = asyncio.gather(claimed, reads_done)
+                    try:
+                        async with asyncio.timeout(self._left(deadline)):
+                            await both
+                    except TimeoutError as e:
+                        raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
+                                               {"request_id": req.request_id}) from e
+                    finally:
+                        if both.done() and not both.cancelled():
+                            both.exception()  # raised above, or a cancellation of its parts: seen either way
             marks.append(("reads", time.perf_counter()))
             confirm_sent = time.perf_counter()
             if claimed is None:

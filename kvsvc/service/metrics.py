@@ -59,6 +59,16 @@ class Metrics:
         self._gauges: list[Gauge] = []
         self._http: Any = None
         self._seen: dict[str, set[str]] = {"peer_engine": set(), "reason": set()}
+        # Labelled children, looked up once: prometheus_client's labels() validates and
+        # locks on every call, ten of them per transfer (bounded as the label values are).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _bounded(self, label: str, value: str) -> str:
         seen = self._seen[label]
@@ -73,35 +83,35 @@ class Metrics:
 
     def transfer_ok(self, peer_engine: str, seconds: float, nbytes: int, descriptors: int, wire_s: float) -> None:
         peer_engine = self._bounded("peer_engine", peer_engine)
-        self._transfers.labels(self.engine, peer_engine, "ok", "").inc()
-        self._bytes.labels(self.engine, peer_engine).inc(nbytes)
-        self._descriptors.labels(self.engine, peer_engine).inc(descriptors)
-        self._seconds.labels(self.engine, peer_engine).observe(seconds)
-        self._wire.labels(self.engine).observe(wire_s)
+        self._child(self._transfers, self.engine, peer_engine, "ok", "").inc()
+        self._child(self._bytes, self.engine, peer_engine).inc(nbytes)
+        self._child(self._descriptors, self.engine, peer_engine).inc(descriptors)
+        self._child(self._seconds, self.engine, peer_engine).observe(seconds)
+        self._child(self._wire, self.engine).observe(wire_s)
 
     def transfer_failed(self, peer_engine: str, reason: str) -> None:
-        self._transfers.labels(self.engine, self._bounded("peer_engine", peer_engine), "failed",
+        self._child(self._transfers, self.engine, self._bounded("peer_engine", peer_engine), "failed",
                                self._bounded("reason", reason)).inc()
         if reason in NIXL_REASONS:
-            self._nixl_errors.labels(self.engine).inc()
+            self._child(self._nixl_errors, self.engine).inc()
 
     def phases(self, marks: Sequence[tuple[str, float]], started: float) -> None:
         prev = started
         for name, at in marks:
-            self._phases.labels(self.engine, name).observe(at - prev)
+            self._child(self._phases, self.engine, name).observe(at - prev)
             prev = at
 
     def lease_call(self, call: str, seconds: float) -> None:
-        self._lease_calls.labels(self.engine, call).observe(seconds)
+        self._child(self._lease_calls, self.engine, call).observe(seconds)
 
     def handshake(self, peer_engine: str, ok: bool) -> None:
-        self._handshakes.labels(self.engine, self._bounded("peer_engine", peer_engine), "ok" if ok else "failed").inc()
+        self._child(self._handshakes, self.engine, self._bounded("peer_engine", peer_engine), "ok" if ok else "failed").inc()
 
     def rehandshake(self) -> None:
-        self._rehandshakes.labels(self.engine).inc()
+        self._child(self._rehandshakes, self.engine).inc()
 
     def released(self, reason: str) -> None:
-        self._releases.labels(self.engine, reason).inc()
+        self._child(self._releases, self.engine, reason).inc()
 
     def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A value read when scraped (live leases, peers, ...)."""
