@@ -52,6 +52,7 @@ from kvsvc.service.legs import (
     heartbeat,
     p_servers,
     servers_needed,
+    settled,
 )
 from kvsvc.service.node import Node
 from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
@@ -287,9 +288,8 @@ class Decoder:
         async with contextlib.AsyncExitStack() as stack:
             clock, peer_started = Clock(), time.perf_counter()
             try:
-                entered = await asyncio.gather(*(stack.enter_async_context(
-                    self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed),
-                    return_exceptions=True)
+                entered = await settled([stack.enter_async_context(
+                    self.peers.use(s.address, p.remote_engine_id, s.epoch)) for s, _ in needed])
             except asyncio.CancelledError:
                 self._spawn(self._abort_unpaired(p))  # given up before any claim: free P's blocks
                 raise
@@ -349,6 +349,10 @@ class Decoder:
         reads_done: asyncio.Future[None] | None = None
         try:
             for t, (rr, la, ra, ln) in reads:
+                now = data.read_now(t, rr.agent_name, la, ra, ln, rr.memory_kind, rr.device_id)
+                if now is not None:  # a short READ, posted already: nothing to wait for or cancel
+                    posted.append(Posted(t, now, int(ln.sum()), int(ln.size)))
+                    continue
                 post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, rr.memory_kind, rr.device_id))
                 try:
                     fl = await asyncio.shield(post)

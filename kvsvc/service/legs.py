@@ -10,8 +10,9 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvsvc.codec import bad_field
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError
@@ -21,6 +22,7 @@ from kvsvc.service.peers import Peer
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Claim outcomes that leave P's lease state unknown (the claim may have been granted).
 UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
@@ -76,6 +78,18 @@ def servers_needed(servers: Sequence[ServerRef], hosted: Sequence[int], d_tp: in
         raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill ranks {missing[:8]} are on none of the servers the "
                                  "params name", {"ranks": ",".join(map(str, missing[:8]))})
     return out
+
+
+async def settled(aws: Sequence[Awaitable[T]]) -> list[T | BaseException]:
+    """Each awaitable's result or error, as asyncio.gather(..., return_exceptions=True) gives
+    them (a cancellation of the caller still cancels), without a task for the single one of
+    a one-server P engine: the common case, on every transfer's path."""
+    if len(aws) == 1:
+        try:
+            return [await aws[0]]
+        except Exception as e:
+            return [e]
+    return await asyncio.gather(*aws, return_exceptions=True)
 
 
 class ClaimState(enum.Enum):
@@ -167,15 +181,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
             # bytes all the same (the lease was live), but P's blocks wait for a CONSUMED.
             await confirm_all([leg], own, timeout_s)
 
-    outcomes: list[BaseException | None]
-    if len(legs) == 1:  # a one-server P engine, the common case: no task to run one call
-        try:
-            await claim(legs[0])
-            outcomes = [None]
-        except Exception as e:
-            outcomes = [e]
-    else:
-        outcomes = await asyncio.gather(*(claim(leg) for leg in legs), return_exceptions=True)
+    outcomes = await settled([claim(leg) for leg in legs])
     errors = []
     for leg, out in zip(legs, outcomes, strict=True):
         if isinstance(out, KvsvcError) and out.code not in UNKNOWN_OUTCOME:

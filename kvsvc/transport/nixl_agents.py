@@ -77,6 +77,15 @@ def _import_nixl_api() -> Any:
     return _api
 
 
+def _kvsvc_error(e: Exception, what: str) -> KvsvcError:
+    """NIXL's exception (or the NIXL thread's) as the kvsvc error callers see."""
+    if isinstance(e, KvsvcError):
+        return e
+    if isinstance(e, TransferError):
+        return Internal("TRANSFER_FAILED", f"{what}: {e}")
+    return Internal("NIXL_ERROR", f"{what}: {type(e).__name__}: {e}")
+
+
 @dataclass
 class RankAgent:
     """A hosted rank's NIXL agent and its registered pool."""
@@ -136,12 +145,8 @@ class NixlDataPlane:
     async def _guard(self, coro: Any, what: str) -> Any:
         try:
             return await coro
-        except KvsvcError:
-            raise
-        except TransferError as e:
-            raise Internal("TRANSFER_FAILED", f"{what}: {e}") from e
         except Exception as e:
-            raise Internal("NIXL_ERROR", f"{what}: {type(e).__name__}: {e}") from e
+            raise _kvsvc_error(e, what) from e
 
     def metadata(self, rank: int) -> bytes:
         return self.agents[rank].metadata
@@ -188,6 +193,31 @@ class NixlDataPlane:
         to progress, so every READ waited on P's NIXL thread (measured here: a 64 KiB READ
         20 us one-sided, 0.1-0.2 ms with a notification and P progressing, stalled without).
         """
+        agent, make = self._read_handle(local_rank, remote_name, local_addr, remote_addr, length, remote_memory,
+                                        remote_device)
+        inline = int(length.sum()) <= INLINE_READ_MAX_BYTES
+        return await self._guard(self._thread.post(agent, make, inline), "post READ")  # type: ignore[no-any-return]
+
+    def read_now(
+        self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
+        length: np.ndarray, remote_memory: str = "DRAM", remote_device: int = 0,
+    ) -> InFlight | None:
+        """read(), posted before this returns when the READ is short and NIXL free at once
+        (no task, no hand-off: most of a short transfer); None otherwise (then read())."""
+        if int(length.sum()) > INLINE_READ_MAX_BYTES:
+            return None
+        agent, make = self._read_handle(local_rank, remote_name, local_addr, remote_addr, length, remote_memory,
+                                        remote_device)
+        try:
+            return self._thread.post_now(agent, make)
+        except Exception as e:
+            raise _kvsvc_error(e, "post READ") from e
+
+    def _read_handle(
+        self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
+        length: np.ndarray, remote_memory: str, remote_device: int,
+    ) -> tuple[Any, Callable[[], Any]]:
+        """The rank's agent, and how to make the READ's handle (called holding NIXL)."""
         ra = self.agents[local_rank]
         # The descriptor arrays are built here, on the caller's thread: the NIXL thread then
         # makes only NIXL calls (each of which lets go of the GIL), so a busy event loop
@@ -200,8 +230,7 @@ class NixlDataPlane:
             rd = ra.agent.get_xfer_descs(remote, remote_memory)
             return ra.agent.initialize_xfer("READ", ld, rd, remote_name, b"")
 
-        inline = int(length.sum()) <= INLINE_READ_MAX_BYTES
-        return await self._guard(self._thread.post(ra.agent, make, inline), "post READ")  # type: ignore[no-any-return]
+        return ra.agent, make
 
     async def abort(self, flights: list[InFlight]) -> None:
         """Cancel what NIXL can of these READs; the rest settle when they end."""

@@ -9,7 +9,7 @@ waking once every IDLE_BEAT_S after peers connected (UCX needs that much, see th
 Results reach asyncio as futures resolved with call_soon_threadsafe; nothing polls on
 the event loop.
 
-A short READ is posted from the event loop itself (post(..., inline=True)): a hand-off to
+A short READ is posted from the event loop itself (post_now): a hand-off to
 this thread and back costs two wake-ups and more than the post does, and a READ between
 processes of one host is often complete when NIXL's transfer() returns. NIXL's agents are
 made without locks of their own (one caller at a time), so every NIXL call of the thread
@@ -144,34 +144,43 @@ class NixlThread:
         self._submit((fn, args, fut, loop))
         return await fut
 
-    async def post(self, agent: Any, make_handle: Callable[[], Any], inline: bool = False) -> InFlight:
-        """Create and post a transfer; the returned InFlight resolves later.
+    def post_now(self, agent: Any, make_handle: Callable[[], Any]) -> InFlight | None:
+        """Create and post a transfer from the calling (event loop) thread, if NIXL is free at
+        once; None if the NIXL thread holds it (post() then). For short READs only: a READ
+        between processes of one host copies inside the post."""
+        self._check_alive()
+        if not self._nixl.acquire(blocking=False):
+            return None
+        loop = asyncio.get_running_loop()
+        fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
+        try:
+            if self._stopping:  # nobody would poll it: refuse, as a dead thread does
+                raise TransferError("the NIXL thread is stopping")
+            done, error = self._start(fl, make_handle)
+            if done:
+                self._end(fl)
+        finally:
+            self._nixl.release()
+        if done:
+            if error is None:
+                fl.result.set_result(fl.elapsed)
+            else:
+                fl.result.set_exception(error)
+            fl.settled.set()
+        else:
+            self._submit((self._track, (fl,), None, None))  # still running: polled by the thread
+        return fl
 
-        inline: post it from the calling (event loop) thread when NIXL is free at once,
-        else on the NIXL thread. For short READs only: a READ between processes of one
-        host copies inside the post.
-        """
+    async def post(self, agent: Any, make_handle: Callable[[], Any], inline: bool = False) -> InFlight:
+        """Create and post a transfer (inline: from this thread when NIXL is free, see
+        post_now; else on the NIXL thread); the returned InFlight resolves later."""
+        if inline:
+            fl = self.post_now(agent, make_handle)
+            if fl is not None:
+                return fl
         self._check_alive()
         loop = asyncio.get_running_loop()
         fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
-        if inline and self._nixl.acquire(blocking=False):
-            try:
-                if self._stopping:  # nobody would poll it: refuse, as a dead thread does
-                    raise TransferError("the NIXL thread is stopping")
-                done, error = self._start(fl, make_handle)
-                if done:
-                    self._end(fl)
-            finally:
-                self._nixl.release()
-            if done:
-                if error is None:
-                    fl.result.set_result(fl.elapsed)
-                else:
-                    fl.result.set_exception(error)
-                fl.settled.set()
-            else:
-                self._submit((self._track, (fl,), None, None))  # still running: polled by the thread
-            return fl
         posted: asyncio.Future[InFlight] = loop.create_future()
         self._submit((self._post, (fl, make_handle), posted, loop))
         return await posted

@@ -95,6 +95,7 @@ async def test_the_loop_does_not_wait_while_the_thread_holds_nixl(nixl_thread):
     job = asyncio.ensure_future(nixl_thread.call(slow_job))
     await asyncio.to_thread(job_running.wait, 5)
     agent = FakeAgent()
+    assert nixl_thread.post_now(agent, agent.make) is None  # NIXL busy: the caller must queue it
     post = asyncio.ensure_future(nixl_thread.post(agent, agent.make, inline=True))
     ticks = 0
     for _ in range(5):  # the loop is free while the post waits for the thread
