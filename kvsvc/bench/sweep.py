@@ -243,6 +243,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raw = RawNixl(t.pc, t.d_info.layout, t.d_info.tp_size, f"bench-raw-{os.getpid()}")
             await raw.start()
         except Exception as e:  # a remote P that does not accept this process as a peer
+            if raw is not None:
+                raw.close()
             raw, raw_error = None, f"{type(e).__name__}: {e}"
         points = []
         try:
