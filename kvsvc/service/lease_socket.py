@@ -20,8 +20,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
+import socket
+import stat
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 
 from google.protobuf.message import DecodeError
@@ -41,6 +45,56 @@ FRAME_TIMEOUT_S = 10.0
 
 Answer = Callable[[pb.LeaseCall, Sequence[str]], pb.LeaseAnswer]
 
+# A server killed without stopping (SIGKILL, OOM) leaves its socket's directory behind;
+# the next server to start removes such directories: kvsvc's name and mode, this user's,
+# older than this (a server starting meanwhile binds within milliseconds), holding nothing
+# but a socket nobody listens on.
+STALE_AFTER_S = 60.0
+_DIR_NAME = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"[0-9a-f]{8}-[a-z0-9_]{8}")
+
+
+def remove_stale_dirs(root: str | None = None, min_age_s: float = STALE_AFTER_S) -> int:
+    """Remove the socket directories of servers that are gone (see STALE_AFTER_S); how many went."""
+    root = root or tempfile.gettempdir()
+    removed = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not _DIR_NAME.fullmatch(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if (not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) != 0o700 or st.st_uid != os.getuid()
+                    or time.time() - st.st_mtime < min_age_s):
+                continue
+            names = os.listdir(entry.path)
+            if any(n != SOCKET_NAME for n in names):
+                continue
+            if names and _answers(os.path.join(entry.path, SOCKET_NAME)):
+                continue  # a live server's
+            shutil.rmtree(entry.path)
+            removed += 1
+        except OSError:
+            continue  # raced with its owner or another cleaner: leave it
+    if removed:
+        log.info("removed %d lease-socket directories of servers that are gone from %s", removed, root)
+    return removed
+
+
+def _answers(path: str) -> bool:
+    """Whether something listens on the Unix socket at path (when unsure: yes)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+        return True
+
 
 class LeaseSocket:
     """A Unix socket server answering lease calls with answer(call, caller_names=())."""
@@ -57,6 +111,7 @@ class LeaseSocket:
 
     async def start(self) -> None:
         """Make the private directory and listen in it (OSError when the temp dir cannot hold it)."""
+        remove_stale_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{self._epoch & 0xFFFFFFFF:08x}-")  # mode 0700
         self.path = os.path.join(self._dir, SOCKET_NAME)
         try:

@@ -170,3 +170,67 @@ async def test_a_restarted_prefill_server_is_found_again():
                 assert p2.lease_socket is not None and p2.lease_socket.connections_served == 1
             finally:
                 await p2.stop(0)
+
+
+async def test_the_directory_of_a_killed_server_is_removed_and_live_ones_are_kept(tmp_path):
+    """A P server killed with SIGKILL leaves its socket's directory; the next server's start
+    removes it (real server processes), never a live server's or a stranger's directory."""
+    from kvsvc.cli.procs import start_server
+    from kvsvc.service.lease_socket import remove_stale_dirs
+
+    table = {"model_id": "m", "total_num_kv_heads": 2, "block_size": 16, "num_blocks": 8, "dtype": "bfloat16",
+             "groups": [{"name": "full", "kind": "full_attention", "num_layers": 1, "head_size": 64}]}
+    env = {"TMPDIR": str(tmp_path)}  # their sockets' directories, apart from other servers'
+    killed = start_server(engine_id="ls-killed", role="prefill", tp_size=1, layout=table, extra_env=env)
+    live = start_server(engine_id="ls-live", role="prefill", tp_size=1, layout=table, extra_env=env)
+    try:
+        paths = {}
+        for name, sp in (("killed", killed), ("live", live)):
+            async with AsyncClient(sp.address) as c:
+                layout = (await c.get_info()).layout
+                hs = await c.handshake(pb.HandshakeRequest(engine_id="ls-d", tp_size=1, layout=layout))
+                paths[name] = hs.lease_socket
+        assert all(paths.values())
+        killed.kill()
+        assert os.path.exists(paths["killed"])  # SIGKILL: nobody removed it
+        assert os.path.dirname(os.path.dirname(paths["killed"])) == str(tmp_path)
+        assert remove_stale_dirs(str(tmp_path), min_age_s=60) == 0  # too young for a server's start to remove
+        assert remove_stale_dirs(str(tmp_path), min_age_s=0) == 1
+        assert not os.path.exists(os.path.dirname(paths["killed"]))
+        assert os.path.exists(paths["live"])  # answers: kept
+    finally:
+        live.stop()
+        killed.stop()  # already dead: collects its output
+    assert not os.path.exists(os.path.dirname(paths["live"]))  # a clean stop removes its own
+
+
+def test_only_stale_kvsvc_socket_directories_go(tmp_path):
+    import socket
+    import time
+
+    from kvsvc.service.lease_socket import remove_stale_dirs
+
+    def make(name: str, *, sock: str = "", extra: str = "", mode: int = 0o700) -> str:
+        d = tmp_path / name
+        d.mkdir(mode=mode)
+        os.chmod(d, mode)
+        if sock:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(d / sock))  # bound, never listened on, then closed: connect is refused
+            s.close()
+        if extra:
+            (d / extra).write_text("x")
+        old = time.time() - 3600
+        os.utime(d, (old, old))
+        return str(d)
+
+    stale = make("kvsvc-0123abcd-a1b2c3d4", sock="lease.sock")
+    empty = make("kvsvc-0123abcd-emptydir")
+    other_file = make("kvsvc-0123abcd-hasfile1", sock="lease.sock", extra="notes.txt")
+    bad_name = make("kvsvc-notours", sock="lease.sock")
+    wide_mode = make("kvsvc-0123abcd-widemode", sock="lease.sock", mode=0o755)
+    fresh = make("kvsvc-0123abcd-freshdir", sock="lease.sock")
+    os.utime(fresh, None)  # just made: a server may be starting in it
+    assert remove_stale_dirs(str(tmp_path)) == 2
+    assert not os.path.exists(stale) and not os.path.exists(empty)
+    assert all(os.path.exists(p) for p in (other_file, bad_name, wide_mode, fresh))
