@@ -29,7 +29,13 @@ INLINE_READ_MAX_BYTES = 1 << 20
 """READs up to this size are posted from the event loop when NIXL is free (see NixlThread):
 between processes of one host the copy runs inside the post, and 1 MiB copies here in
 ~0.1-0.3 ms, about what one gRPC call costs the loop; larger READs copy on the NIXL thread,
-beside the loop."""
+beside the loop. Only READs between DRAM pools: a READ that touches GPU memory is posted
+where every other call on that agent is made, the NIXL thread (UCX's CUDA transports look
+at the calling thread's CUDA context, and no GPU was at hand to prove the loop's right)."""
+
+
+def _inline(length: np.ndarray, local_memory: str, remote_memory: str) -> bool:
+    return local_memory == "DRAM" and remote_memory == "DRAM" and int(length.sum()) <= INLINE_READ_MAX_BYTES
 
 
 @functools.cache
@@ -195,16 +201,17 @@ class NixlDataPlane:
         """
         agent, make = self._read_handle(local_rank, remote_name, local_addr, remote_addr, length, remote_memory,
                                         remote_device)
-        inline = int(length.sum()) <= INLINE_READ_MAX_BYTES
+        inline = _inline(length, self.agents[local_rank].pool.memory_kind, remote_memory)
         return await self._guard(self._thread.post(agent, make, inline), "post READ")  # type: ignore[no-any-return]
 
     def read_now(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
         length: np.ndarray, remote_memory: str = "DRAM", remote_device: int = 0,
     ) -> InFlight | None:
-        """read(), posted before this returns when the READ is short and NIXL free at once
-        (no task, no hand-off: most of a short transfer); None otherwise (then read())."""
-        if int(length.sum()) > INLINE_READ_MAX_BYTES:
+        """read(), posted before this returns when the READ is short (see INLINE_READ_MAX_BYTES)
+        and NIXL free at once (no task, no hand-off: most of a short transfer); None
+        otherwise (then read())."""
+        if not _inline(length, self.agents[local_rank].pool.memory_kind, remote_memory):
             return None
         agent, make = self._read_handle(local_rank, remote_name, local_addr, remote_addr, length, remote_memory,
                                         remote_device)

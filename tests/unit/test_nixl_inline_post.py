@@ -149,3 +149,16 @@ async def test_no_inline_post_once_the_thread_is_stopping():
     await asyncio.to_thread(t.stop)
     with pytest.raises(TransferError, match="not running"):
         await t.post(agent, agent.make, inline=True)
+
+
+def test_only_short_reads_between_dram_pools_are_posted_inline():
+    import numpy as np
+
+    from kvsvc.transport.nixl_agents import INLINE_READ_MAX_BYTES, _inline
+
+    short, long_ = np.array([4096, 4096]), np.array([INLINE_READ_MAX_BYTES, 1])
+    assert _inline(short, "DRAM", "DRAM")
+    assert _inline(np.array([INLINE_READ_MAX_BYTES]), "DRAM", "DRAM")
+    assert not _inline(long_, "DRAM", "DRAM")
+    # GPU memory on either side: posted on the NIXL thread, whatever the size.
+    assert not _inline(short, "VRAM", "DRAM") and not _inline(short, "DRAM", "VRAM")
