@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
+import time
 
+from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.client.lease_channel import usable_socket_path
 from kvsvc.config import Role, load_config
+from kvsvc.service.lease_socket import remove_stale_dirs
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
@@ -175,9 +179,6 @@ async def test_a_restarted_prefill_server_is_found_again():
 async def test_the_directory_of_a_killed_server_is_removed_and_live_ones_are_kept(tmp_path):
     """A P server killed with SIGKILL leaves its socket's directory; the next server's start
     removes it (real server processes), never a live server's or a stranger's directory."""
-    from kvsvc.cli.procs import start_server
-    from kvsvc.service.lease_socket import remove_stale_dirs
-
     table = {"model_id": "m", "total_num_kv_heads": 2, "block_size": 16, "num_blocks": 8, "dtype": "bfloat16",
              "groups": [{"name": "full", "kind": "full_attention", "num_layers": 1, "head_size": 64}]}
     env = {"TMPDIR": str(tmp_path)}  # their sockets' directories, apart from other servers'
@@ -205,11 +206,6 @@ async def test_the_directory_of_a_killed_server_is_removed_and_live_ones_are_kep
 
 
 def test_only_stale_kvsvc_socket_directories_go(tmp_path):
-    import socket
-    import time
-
-    from kvsvc.service.lease_socket import remove_stale_dirs
-
     def make(name: str, *, sock: str = "", extra: str = "", mode: int = 0o700) -> str:
         d = tmp_path / name
         d.mkdir(mode=mode)
