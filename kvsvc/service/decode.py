@@ -113,6 +113,13 @@ def _addresses(node: Node, ranks: dict[int, RemoteRank],
     return out
 
 
+def _parts(rank: int, flights: list[InFlight], length: np.ndarray) -> list[Posted]:
+    """A READ posted in parts (copy lanes): the first carries its bytes and descriptors,
+    so the answer counts the READ once; each part is waited for and settled."""
+    return [Posted(rank, fl, int(length.sum()) if i == 0 else 0, int(length.size) if i == 0 else 0)
+            for i, fl in enumerate(flights)]
+
+
 async def _all_read(posted: list[Posted]) -> None:
     """Until every posted READ completed; TRANSFER_FAILED when one failed."""
     try:
@@ -129,7 +136,7 @@ def _check_read(posted: list[Posted]) -> None:
             raise Internal("TRANSFER_FAILED", f"a READ failed: {error}") from error
 
 
-async def _settle_post(post: asyncio.Future[InFlight]) -> bool:
+async def _settle_post(post: asyncio.Future[list[InFlight]]) -> bool:
     """Wait out a READ being posted (even if cancelled again); True when it was posted."""
     while not post.done():
         try:
@@ -355,14 +362,14 @@ class Decoder:
                     continue
                 post = asyncio.ensure_future(data.read(t, rr.agent_name, la, ra, ln, rr.memory_kind, rr.device_id))
                 try:
-                    fl = await asyncio.shield(post)
+                    await asyncio.shield(post)
                 except asyncio.CancelledError:
                     # Cancelled while the NIXL thread posts: the READ runs anyway, so it must be
                     # known here to be settled before anyone hears the blocks are free.
                     if not post.cancelled() and (post.done() or await _settle_post(post)):
-                        posted.append(Posted(t, post.result(), int(ln.sum()), int(ln.size)))
+                        posted.extend(_parts(t, post.result(), ln))
                     raise
-                posted.append(Posted(t, fl, int(ln.sum()), int(ln.size)))
+                posted.extend(_parts(t, post.result(), ln))
             marks.append(("post", time.perf_counter()))
             if all(x.flight.result.done() for x in posted):
                 _check_read(posted)  # short READs often end inside their post: nothing to wait for

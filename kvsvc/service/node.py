@@ -79,7 +79,9 @@ class Node:
         try:
             for rank in self.hosted_ranks:
                 self.pools[rank] = self._make_pool(rank, size)
-            self.data = NixlDataPlane(self.config.engine_id, self.epoch, self.pools)
+            reads = self.config.role in (Role.DECODE, Role.BOTH)
+            self.data = NixlDataPlane(self.config.engine_id, self.epoch, self.pools,
+                                      copy_lanes=self.config.copy_threads if reads else 0)
             await self.data.start()
         except BaseException:
             await self.close()

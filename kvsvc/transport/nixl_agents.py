@@ -20,7 +20,9 @@ import numpy as np
 
 from kvsvc.errors import Internal, KvsvcError, Unavailable
 from kvsvc.memory.pools import Pool
+from kvsvc.transport.copy_lanes import CopyLanes
 from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
+from kvsvc.transport.reads import read_maker
 from kvsvc.transport.ucx_probe import enable_protocol_log, read_transports, remove_log
 
 log = logging.getLogger(__name__)
@@ -107,11 +109,13 @@ class RankAgent:
 class NixlDataPlane:
     """All NIXL state of one server process."""
 
-    def __init__(self, engine_id: str, epoch: int, pools: Mapping[int, Pool]) -> None:
+    def __init__(self, engine_id: str, epoch: int, pools: Mapping[int, Pool], copy_lanes: int = 0) -> None:
         self._engine_id = engine_id
         self._epoch = epoch
         self._pools = dict(pools)
         self._thread = NixlThread()
+        # Long DRAM READs are split over these (see copy_lanes.py); a D server has some.
+        self._lanes = CopyLanes(copy_lanes, lambda rank, lane: f"{self.agent_name(rank)}/c{lane}")
         self.agents: dict[int, RankAgent] = {}
         self._remotes: dict[tuple[int, str], str] = {}
         self._remote_lock = asyncio.Lock()
@@ -135,6 +139,7 @@ class NixlDataPlane:
         for rank, pool in sorted(self._pools.items()):
             self.agents[rank] = await self._guard(self._thread.call(self._make_agent, api, rank, pool), "create agent")
         self._thread.set_progress([a.agent for a in self.agents.values()], self._on_notifs)
+        await self._guard(self._lanes.start(api, self._pools, self.backends), "create copy lane agents")
 
     def _make_agent(self, api: Any, rank: int, pool: Pool) -> RankAgent:
         cfg = api.nixl_agent_config(enable_prog_thread=False, backends=list(self.backends))
@@ -171,6 +176,7 @@ class NixlDataPlane:
                 name = name.decode() if isinstance(name, bytes) else str(name)
                 # Pay UCX wire-up now (the peer progresses after a handshake), not on the first READ.
                 await self._guard(self._thread.call(agent.make_connection, name), "connect to remote agent")
+                await self._lanes.connect(local_rank, remote_metadata, name)
                 self._remotes[key] = name
             return self._remotes[key]
 
@@ -185,12 +191,16 @@ class NixlDataPlane:
                         await self._thread.call(agent.remove_remote_agent, name)
                     except Exception:
                         log.warning("remove_remote_agent %s failed", name, exc_info=True)
+            await self._lanes.forget(remote_names)
 
     async def read(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
         length: np.ndarray, remote_memory: str = "DRAM", remote_device: int = 0,
-    ) -> InFlight:
-        """Post one READ of len(length) descriptors; the InFlight resolves with its duration.
+    ) -> list[InFlight]:
+        """Post one READ of len(length) descriptors: in parts over the copy lanes when it is
+        long and between DRAM pools, else as one READ on the NIXL thread (or inline, see
+        read_now). Each InFlight resolves with its part's duration; all of them together
+        are the READ.
 
         The READ carries no NIXL notification. P learns that its blocks were read from the
         CONSUMED message on the lease channel, which also proves the bytes; a NIXL
@@ -199,10 +209,15 @@ class NixlDataPlane:
         to progress, so every READ waited on P's NIXL thread (measured here: a 64 KiB READ
         20 us one-sided, 0.1-0.2 ms with a notification and P progressing, stalled without).
         """
+        local_memory = self.agents[local_rank].pool.memory_kind
+        inline = _inline(length, local_memory, remote_memory)
+        if local_memory == "DRAM" and remote_memory == "DRAM" and self._lanes.takes(local_rank, remote_name,
+                                                                                    int(length.sum())):
+            return await self._guard(self._lanes.post(local_rank, remote_name, local_addr, remote_addr, length,
+                                                      remote_memory, remote_device), "post READ")  # type: ignore[no-any-return]
         agent, make = self._read_handle(local_rank, remote_name, local_addr, remote_addr, length, remote_memory,
                                         remote_device)
-        inline = _inline(length, self.agents[local_rank].pool.memory_kind, remote_memory)
-        return await self._guard(self._thread.post(agent, make, inline), "post READ")  # type: ignore[no-any-return]
+        return [await self._guard(self._thread.post(agent, make, inline), "post READ")]
 
     def read_now(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
@@ -226,22 +241,14 @@ class NixlDataPlane:
     ) -> tuple[Any, Callable[[], Any]]:
         """The rank's agent, and how to make the READ's handle (called holding NIXL)."""
         ra = self.agents[local_rank]
-        # The descriptor arrays are built here, on the caller's thread: the NIXL thread then
-        # makes only NIXL calls (each of which lets go of the GIL), so a busy event loop
-        # delays the post less.
-        local = np.stack([local_addr, length, np.full_like(length, ra.pool.device_id)], axis=1).astype(np.uint64)
-        remote = np.stack([remote_addr, length, np.full_like(length, remote_device)], axis=1).astype(np.uint64)
-
-        def make() -> Any:
-            ld = ra.agent.get_xfer_descs(local, ra.pool.memory_kind)
-            rd = ra.agent.get_xfer_descs(remote, remote_memory)
-            return ra.agent.initialize_xfer("READ", ld, rd, remote_name, b"")
-
-        return ra.agent, make
+        return ra.agent, read_maker(ra.agent, ra.pool.memory_kind, ra.pool.device_id, remote_name, local_addr,
+                                    remote_addr, length, remote_memory, remote_device)
 
     async def abort(self, flights: list[InFlight]) -> None:
         """Cancel what NIXL can of these READs; the rest settle when they end."""
-        await self._thread.abort([f for f in flights if not f.settled.is_set()])
+        running = [f for f in flights if not f.settled.is_set()]
+        await self._thread.abort(running)
+        await self._lanes.abort(running)
 
     def need_progress(self, delta: int) -> None:
         self._thread.need_progress(delta)
@@ -252,16 +259,19 @@ class NixlDataPlane:
 
     @property
     def alive(self) -> bool:
-        return self._thread.alive
+        return self._thread.alive and self._lanes.alive
 
     def on_dead(self, callback: Callable[[], object]) -> None:
-        """callback() (from the NIXL thread) if that thread ever ends other than by close()."""
+        """callback() (from the NIXL thread or a copy lane's) if that thread ever ends other
+        than by close()."""
         self._thread.on_dead = callback
+        self._lanes.on_dead(callback)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        await self._lanes.close()
         if not self._thread.alive:  # crashed: nothing can be called on it any more
             self.agents.clear()
             self._thread.stop()  # releases what the thread kept (its wake-up pipe)

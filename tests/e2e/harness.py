@@ -201,17 +201,20 @@ async def transfer_and_check(s: Session, request_id: str, p_ids: list[list[int]]
 
 
 @contextlib.asynccontextmanager
-async def in_process_pair(name: str, **p_overrides: Any) -> AsyncIterator[tuple[Any, Any]]:
+async def in_process_pair(name: str, d_overrides: Mapping[str, Any] | None = None,
+                          **p_overrides: Any) -> AsyncIterator[tuple[Any, Any]]:
     """A TP 1 P server and D server in this process (for tests that look inside them or
-    hold their calls), engine ids <name>-p and <name>-d; stopped D first."""
+    hold their calls), engine ids <name>-p and <name>-d; stopped D first. A layout_table
+    in p_overrides is D's too."""
     from kvsvc.config import Role, load_config
     from kvsvc.service.server import create_server
 
     p, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id=f"{name}-p",
                                            role=Role.PREFILL, **p_overrides))
+    d_config = {k: v for k, v in p_overrides.items() if k == "layout_table"} | dict(d_overrides or {})
     try:
         d, _ = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id=f"{name}-d",
-                                               role=Role.DECODE))
+                                               role=Role.DECODE, **d_config))
     except BaseException:
         await p.stop(0)
         raise

@@ -39,11 +39,11 @@ class FakeData:
     def read_now(self, *args, **kw) -> None:
         return None  # READs here are long ones (the test ends them): posted through read()
 
-    async def read(self, *args, **kw) -> InFlight:
+    async def read(self, *args, **kw) -> list[InFlight]:
         loop = asyncio.get_running_loop()
         fl = InFlight(None, None, loop, loop.create_future(), asyncio.Event())
         self.flights.append(fl)
-        return fl
+        return [fl]
 
 
 class FakePeerClient:
