@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvsvc.transport.copy_lanes import LANE_READ_MIN_BYTES
+
 MIB = 1 << 20
 
 
@@ -43,6 +45,9 @@ def print_report(res: dict[str, Any]) -> None:
     for k in ("shuffled", "contiguous"):
         v = res.get(f"kvsvc_over_raw_nixl_{k}")
         print(f"kvsvc / raw NIXL at {res['bytes_per_transfer'] / MIB:.0f} MiB, {k}: {_f(v, '.3f')}")
+    if res.get("decode_copy_threads"):
+        print(f"  (D splits a READ of {LANE_READ_MIN_BYTES // MIB} MiB or more over {res['decode_copy_threads']} copy "
+              "threads; raw NIXL posts it as one READ from one agent: the same bytes, one thread's copy)")
     if res["raw_nixl_error"]:
         print(f"raw NIXL skipped: {res['raw_nixl_error']}")
     print(f"planning a 128k-token request over 61 MLA layers: {res['plan_128k_tokens_61_layers_ms']:.1f} ms "

@@ -275,13 +275,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{row['transfer_p99_ms']:.2f} ms")
         rtt = await rpc_round_trips(t.dc, 200)
         progress.step(f"gRPC round trip p50 {ms(rtt, 50):.3f} ms")
-        transports = list((await t.dc.get_info()).transport.ucx_transports)
+        d_transport = (await t.dc.get_info()).transport
+        transports = list(d_transport.ucx_transports)
         idle: dict[str, float] = {}
         if t.pids:
             await asyncio.sleep(HANDSHAKE_PROGRESS_S)  # past P's post-handshake progress window
             idle = await idle_cpu_percent(t.pids, 2.0)
         progress.step("idle CPU")
-    return summarise(points, cold, conc, ms(rtt, 50), transports, idle, raw_error, args)
+    res = summarise(points, cold, conc, ms(rtt, 50), transports, idle, raw_error, args)
+    res["decode_copy_threads"] = d_transport.copy_threads
+    return res
 
 
 def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dict[str, Any]], rtt_ms: float,

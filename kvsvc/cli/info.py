@@ -30,7 +30,8 @@ def format_info(info: pb.GetInfoResponse) -> str:
     t = info.transport
     if t.nixl_available:
         lines.append(f"transport   NIXL {t.nixl_version} backends {list(t.backends)} "
-                     f"UCX transports {list(t.ucx_transports) or 'not yet seen'}")
+                     f"UCX transports {list(t.ucx_transports) or 'not yet seen'}"
+                     + (f", long DRAM READs split over {t.copy_threads} copy threads" if t.copy_threads else ""))
     else:
         lines.append(f"transport   none ({t.unavailable_reason or 'control plane only'})")
     for p in info.pools:

@@ -194,6 +194,7 @@ class Node:
         if self.data is not None:
             transport.backends.extend(self.data.backends)
             transport.ucx_transports.extend(self.data.transports_seen)
+            transport.copy_threads = self.data.copy_threads
         return pb.GetInfoResponse(
             engine_id=self.config.engine_id, role=_ROLES[self.config.role], tp_size=self.config.tp_size,
             hosted_ranks=list(self.hosted_ranks), layout=layout_to_proto(self.layout),

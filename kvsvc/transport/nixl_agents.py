@@ -128,6 +128,11 @@ class NixlDataPlane:
         return f"{self._engine_id}/{self._epoch:x}/r{rank}"
 
     @property
+    def copy_threads(self) -> int:
+        """Copy lanes long DRAM READs are split across (see copy_lanes.py)."""
+        return self._lanes.in_use
+
+    @property
     def transports_seen(self) -> list[str]:
         """UCX transports chosen so far, per operation (see ucx_probe)."""
         return read_transports(self._ucx_log)

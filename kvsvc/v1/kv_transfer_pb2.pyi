@@ -296,18 +296,20 @@ class CudaIpc(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
-    __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason")
+    __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason", "copy_threads")
     NIXL_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     UCX_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     NIXL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
     nixl_available: bool
     backends: _containers.RepeatedScalarFieldContainer[str]
     ucx_transports: _containers.RepeatedScalarFieldContainer[str]
     nixl_version: str
     unavailable_reason: str
-    def __init__(self, nixl_available: _Optional[bool] = ..., backends: _Optional[_Iterable[str]] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., nixl_version: _Optional[str] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
+    copy_threads: int
+    def __init__(self, nixl_available: _Optional[bool] = ..., backends: _Optional[_Iterable[str]] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., nixl_version: _Optional[str] = ..., unavailable_reason: _Optional[str] = ..., copy_threads: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

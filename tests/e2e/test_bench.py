@@ -26,6 +26,7 @@ def test_bench_writes_figures_and_charts(tmp_path):
                 "grpc_round_trip_p50_ms", "idle_cpu_percent_prefill"):
         assert res[key] is not None, key
     assert res["verified"] is True and res["raw_nixl_error"] == ""
+    assert res["decode_copy_threads"] == 2  # the D server it started runs the default
     # 1 block and 0.5 MiB (2 blocks of 256 KiB), each shuffled and contiguous, every path measured
     assert sorted((p["blocks"], p["pattern"]) for p in res["sizes"]) == [
         (1, "contiguous"), (1, "shuffled"), (2, "contiguous"), (2, "shuffled")]

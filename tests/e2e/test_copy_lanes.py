@@ -48,6 +48,7 @@ async def test_long_reads_split_over_the_lanes_move_exactly_p_bytes(copy_threads
                                layout_table=BIG) as (p, d):
         async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
             pe, de = await Engine.of(pc), await Engine.of(dc)
+            assert (de.info.transport.copy_threads, pe.info.transport.copy_threads) == (copy_threads, 0)
             spy = LanePosts(d.node.data._lanes)
             try:
                 await _fill_random(pe, copy_threads)

@@ -105,7 +105,7 @@ async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(mon
         holders: list[asyncio.Future[None]] = []
 
         async def slow_read(*args: Any, **kw: Any) -> Any:
-            fl = await real_read(*args, **kw)
+            (fl,) = flights = await real_read(*args, **kw)  # a 1-block READ: one part
             done, fl.result = fl.result, asyncio.get_running_loop().create_future()
 
             async def later() -> None:
@@ -116,7 +116,7 @@ async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(mon
                     fl.result.set_exception(exc)
 
             holders.append(asyncio.ensure_future(later()))
-            return fl
+            return flights
 
         data.read = slow_read  # type: ignore[method-assign]
         data.read_now = lambda *args, **kw: None  # type: ignore[method-assign]  # posted through slow_read
