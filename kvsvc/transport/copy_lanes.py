@@ -53,6 +53,9 @@ class CopyLanes:
         self._agent_name = agent_name  # (rank, lane) -> this process's unique agent name
         self._agents: list[dict[int, LaneAgent]] = [{} for _ in range(count)]
         self._remotes: set[tuple[int, str]] = set()  # (rank, remote agent) connected on every lane
+        # (lane, rank, remote agent) for every remote a lane agent was asked to load, noted
+        # before asking: a connect cancelled midway is still undone by forget().
+        self._loaded: set[tuple[int, int, str]] = set()
         self._next = 0  # the lane a one-part READ goes to: round robin
 
     @property
@@ -88,35 +91,29 @@ class CopyLanes:
         out for that remote (READs then run on the main NIXL thread): a warning, not an error."""
         if not self._threads or rank not in self._agents[0] or (rank, remote_name) in self._remotes:
             return
-        added: list[tuple[NixlThread, Any, str]] = []
         try:
             for lane, thread in enumerate(self._threads):
                 agent = self._agents[lane][rank].agent
-                name = await thread.call(agent.add_remote_agent, remote_metadata)
-                name = name.decode() if isinstance(name, bytes) else str(name)
-                added.append((thread, agent, name))
-                await thread.call(agent.make_connection, name)
+                self._loaded.add((lane, rank, remote_name))
+                await thread.call(agent.add_remote_agent, remote_metadata)
+                await thread.call(agent.make_connection, remote_name)
         except Exception:
             log.warning("copy lanes could not connect to %s; its long READs use one thread", remote_name,
                         exc_info=True)
-            await self._remove(added)
+            await self.forget({remote_name})
             return
         self._remotes.add((rank, remote_name))
 
     async def forget(self, remote_names: set[str]) -> None:
-        """Drop remote agents (a peer restarted) from every lane."""
-        for rank, remote in [k for k in self._remotes if k[1] in remote_names]:
-            self._remotes.discard((rank, remote))
-            await self._remove([(thread, self._agents[lane][rank].agent, remote)
-                                for lane, thread in enumerate(self._threads)])
-
-    @staticmethod
-    async def _remove(added: list[tuple[NixlThread, Any, str]]) -> None:
-        for thread, agent, name in added:
+        """Drop remote agents (a peer restarted, or a connect failed or was cancelled) from
+        every lane agent that was asked to load them."""
+        self._remotes -= {k for k in self._remotes if k[1] in remote_names}
+        for lane, rank, remote in sorted(k for k in self._loaded if k[2] in remote_names):
+            self._loaded.discard((lane, rank, remote))
             try:
-                await thread.call(agent.remove_remote_agent, name)
-            except Exception:
-                log.warning("remove_remote_agent %s failed", name, exc_info=True)
+                await self._threads[lane].call(self._agents[lane][rank].agent.remove_remote_agent, remote)
+            except Exception:  # never loaded (its add failed) or already gone
+                log.debug("remove_remote_agent %s on copy lane %d failed", remote, lane, exc_info=True)
 
     async def post(self, rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
                    length: np.ndarray, remote_memory: str, remote_device: int) -> list[InFlight]:
@@ -174,3 +171,4 @@ class CopyLanes:
             await thread.call(self._agents[lane].clear)
             thread.stop()
         self._remotes.clear()
+        self._loaded.clear()

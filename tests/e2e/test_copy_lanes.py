@@ -1,9 +1,8 @@
 """Copy lanes: a long READ split across D's extra NIXL threads moves exactly P's bytes, over
-real NIXL between real servers; a lane that fails to post leaves nothing running."""
+real NIXL between real servers (failure paths: tests/unit/test_copy_lanes_failures.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.errors import KvsvcError
 from kvsvc.transport.copy_lanes import LANE_READ_MIN_BYTES, CopyLanes
-from kvsvc.transport.nixl_thread import InFlight, TransferError
+from kvsvc.transport.nixl_thread import InFlight
 from tests.e2e.harness import Engine, in_process_pair, layout_table, same_block_bytes
 
 # 1 MiB blocks (8 layers x K and V x 64 KiB): 16 blocks make a READ the lanes take.
@@ -78,54 +77,6 @@ async def test_long_reads_split_over_the_lanes_move_exactly_p_bytes(copy_threads
                 de.close()
 
 
-class FakeThread:
-    """A lane's thread whose posts succeed or raise, and which settles what it is told to abort."""
-
-    alive = True
-
-    def __init__(self, fail: bool) -> None:
-        self.fail = fail
-        self.aborted: list[InFlight] = []
-        self.posted: list[InFlight] = []
-
-    async def post(self, agent: Any, make: Any, inline: bool = False) -> InFlight:
-        if self.fail:
-            raise TransferError("NIXL refused the post")
-        loop = asyncio.get_running_loop()
-        fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
-        self.posted.append(fl)
-        return fl
-
-    async def abort(self, flights: list[InFlight]) -> None:
-        for fl in flights:
-            if fl in self.posted and not fl.settled.is_set():
-                self.aborted.append(fl)
-                fl.result.set_exception(TransferError("transfer cancelled"))
-                fl.settled.set()
-
-
-async def test_a_part_that_cannot_be_posted_cancels_and_settles_the_others_first() -> None:
-    from kvsvc.transport.copy_lanes import LaneAgent
-
-    class Pool:
-        memory_kind, device_id = "DRAM", 0
-
-    lanes = CopyLanes(0, lambda rank, lane: f"x/r{rank}/c{lane}")
-    good, bad, good2 = FakeThread(False), FakeThread(True), FakeThread(False)
-    lanes._threads = [good, bad, good2]  # type: ignore[list-item]
-    lanes._agents = [{0: LaneAgent(object(), None, Pool())} for _ in range(3)]  # type: ignore[arg-type]
-    lanes._remotes.add((0, "peer"))
-    n = 3 * LANE_READ_MIN_BYTES
-    assert lanes.takes(0, "peer", n) and not lanes.takes(0, "peer", LANE_READ_MIN_BYTES - 1)
-    assert not lanes.takes(0, "other-peer", n) and not lanes.takes(1, "peer", n)
-    with pytest.raises(TransferError):
-        await lanes.post(0, "peer", np.array([0]), np.array([1 << 30]), np.array([n]), "DRAM", 0)
-    posted = good.posted + good2.posted
-    assert len(posted) == 2, "the two lanes that could post did"
-    assert all(fl.settled.is_set() for fl in posted), "post() raised with READs still running"
-    assert sorted(map(id, good.aborted + good2.aborted)) == sorted(map(id, posted))
-
-
 async def test_copy_threads_is_bounded() -> None:
     from kvsvc.config import load_config
 
@@ -134,17 +85,3 @@ async def test_copy_threads_is_bounded() -> None:
             load_config(copy_threads=bad).validate()
         assert e.value.reason == "INVALID_CONFIG" and "copy_threads" in str(e.value)
     load_config(copy_threads=0).validate()
-
-
-def test_transfer_response_counts_a_split_read_once() -> None:
-    from kvsvc.service.decode import _parts
-
-    loop = asyncio.new_event_loop()
-    try:
-        flights = [InFlight(None, None, loop, loop.create_future(), asyncio.Event()) for _ in range(3)]
-        parts = _parts(1, flights, np.array([5, 7, 9]))
-        assert [(x.nbytes, x.descriptors) for x in parts] == [(21, 3), (0, 0), (0, 0)]
-        assert [x.flight for x in parts] == flights and {x.rank for x in parts} == {1}
-    finally:
-        loop.close()
-
