@@ -144,7 +144,7 @@ class ServerConfig:
         if self.cuda_devices and len(self.cuda_devices) != len(self.ranks):
             raise InvalidArgument("INVALID_CONFIG", f"cuda_devices names {len(self.cuda_devices)} devices for "
                                   f"{len(self.ranks)} hosted ranks")
-        if not 0 <= self.copy_threads <= MAX_COPY_THREADS:
+        if not isinstance(self.copy_threads, int) or not 0 <= self.copy_threads <= MAX_COPY_THREADS:
             raise InvalidArgument("INVALID_CONFIG", f"copy_threads must be in [0, {MAX_COPY_THREADS}], "
                                   f"got {self.copy_threads}")
         if self.max_live_leases <= 0 or self.drain_timeout_s < 0:

@@ -62,14 +62,12 @@ class CopyLanes:
     def count(self) -> int:
         return len(self._threads)
 
-    @property
-    def in_use(self) -> int:
-        """Lanes that can take READs: none when no hosted rank's pool is in DRAM."""
-        return self.count if self._agents and self._agents[0] else 0
 
     async def start(self, api: Any, pools: Mapping[int, Pool], backends: list[str]) -> None:
         """Start the lanes and make their agents on the DRAM pools (ranks in VRAM get none)."""
         dram = {rank: pool for rank, pool in sorted(pools.items()) if pool.memory_kind == "DRAM"}
+        if not dram:  # nothing they could read into: no threads at all
+            self._threads, self._agents = [], []
         for lane, thread in enumerate(self._threads):
             thread.start()
             for rank, pool in dram.items():

@@ -130,7 +130,7 @@ class NixlDataPlane:
     @property
     def copy_threads(self) -> int:
         """Copy lanes long DRAM READs are split across (see copy_lanes.py)."""
-        return self._lanes.in_use
+        return self._lanes.count
 
     @property
     def transports_seen(self) -> list[str]:

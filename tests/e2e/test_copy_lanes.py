@@ -80,7 +80,7 @@ async def test_long_reads_split_over_the_lanes_move_exactly_p_bytes(copy_threads
 async def test_copy_threads_is_bounded() -> None:
     from kvsvc.config import load_config
 
-    for bad in (-1, 17):
+    for bad in (-1, 17, "2"):
         with pytest.raises(KvsvcError) as e:
             load_config(copy_threads=bad).validate()
         assert e.value.reason == "INVALID_CONFIG" and "copy_threads" in str(e.value)

@@ -113,3 +113,13 @@ async def test_lanes_connect_and_forget_remotes_on_every_lane_and_undo_a_failed_
     agents[1].refuse = True  # the second lane cannot reach the new P: no lane reads from it
     await lanes.connect(0, b"p/2/r0", "p/2/r0")
     assert not lanes.takes(0, "p/2/r0", LANE_READ_MIN_BYTES) and all(a.remotes == set() for a in agents)
+
+
+async def test_no_lanes_start_where_no_pool_is_in_dram() -> None:
+    class Vram:
+        memory_kind, device_id = "VRAM", 0
+
+    lanes = CopyLanes(2, lambda rank, lane: f"x/r{rank}/c{lane}")
+    await lanes.start(api=None, pools={0: Vram(), 1: Vram()}, backends=["UCX"])  # type: ignore[dict-item]
+    assert lanes.count == 0 and not lanes.takes(0, "peer", 1 << 30)
+    await lanes.close()

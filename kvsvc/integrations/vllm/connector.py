@@ -8,7 +8,7 @@ through the step metadata and the workers' transfer results.
 
 kv_connector_extra_config (all optional): listen_host (default 127.0.0.1), advertise_host,
 and the embedded servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
-allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file.
+allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file, copy_threads.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvsvc.integrations.vllm.worker import KvsvcWorker
 _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
 # Passed to each worker's embedded server as its [server] settings (README, Config).
 _SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peers", "allowed_engines",
-                "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file")
+                "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads")
 
 
 def _model_id(vllm_config: Any) -> str:
