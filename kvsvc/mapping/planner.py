@@ -284,6 +284,13 @@ def plan_rank(
     if blocks is None:
         blocks = prepare_blocks(local, remote, local_block_ids, remote_block_ids, remote_num_tokens)
     work = _rank_work(local, remote, local_rank)
+    one = _one_block_template(local, remote, local_rank) if _one_block_each(blocks) else None
+    reads = one.shifted(blocks) if one is not None else _plan_reads(local, remote, local_rank, work, blocks)
+    return RankPlan(local_rank, work.ratio, work.targets, work.mapping, reads, blocks.skipped)
+
+
+def _plan_reads(local: Side, remote: Side, local_rank: int, work: _RankWork,
+                blocks: RequestBlocks) -> tuple[Reads, ...]:
     mapping, ratio = work.mapping, work.ratio
     n = blocks.block_ratio
     ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing
@@ -314,5 +321,68 @@ def plan_rank(
                 else attention_units(a, b, lids, rids, n, mapping, c.sources, ratio, runs=c.runs))
         for r, u in made.items():
             per_rank.setdefault(r, []).append((coalesce(r, [u], ordered=ordered), c.members))
-    reads = tuple(repeat_over_regions(r, per_rank[r]) for r in sorted(per_rank))
-    return RankPlan(local_rank, ratio, work.targets, mapping, reads, blocks.skipped)
+    return tuple(repeat_over_regions(r, per_rank[r]) for r in sorted(per_rank))
+
+
+def _one_block_each(blocks: RequestBlocks) -> bool:
+    """Every group reads one block from one block of the same size, without DCP: the
+    shape of most short requests, whose plan is a cached template moved to the blocks."""
+    return blocks.block_ratio == 1 and not blocks.dcp and all(lids.size == 1 for lids, _ in blocks.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class _ShiftedReads:
+    """One remote rank's reads of block 0 from block 0, and per row what moves them to
+    other blocks: a row of region x moves by block id of x's group times x's stride."""
+
+    template: Reads
+    local_group: np.ndarray
+    local_stride: np.ndarray
+    remote_group: np.ndarray
+    remote_stride: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class _OneBlockTemplate:
+    """A rank's plan when every group reads one block (see _one_block_each).
+
+    Every offset of such a plan is linear in its group's block ids (attention, latent and
+    SSM units are id * stride + a fixed part), and coalescing joins rows of one region,
+    all of which move by the same amount: the plan of block 0 from block 0, moved, is the
+    plan of any one block from any one block. tests/unit/test_planner_template.py checks
+    it against the full planner.
+    """
+
+    reads: tuple[_ShiftedReads, ...]
+
+    def shifted(self, blocks: RequestBlocks) -> tuple[Reads, ...]:
+        lids = np.array([int(ids[0]) for ids, _ in blocks.ids], dtype=np.int64)
+        rids = np.array([int(r[0]) for _, r in blocks.ids], dtype=np.int64)
+        out = []
+        for x in self.reads:
+            t = x.template
+            out.append(Reads(t.remote_rank, t.local_region, t.local_offset + lids[x.local_group] * x.local_stride,
+                             t.remote_region, t.remote_offset + rids[x.remote_group] * x.remote_stride, t.length))
+        return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_block_template(local: Side, remote: Side, local_rank: int) -> _OneBlockTemplate:
+    """Cached like _rank_work: the plan of block 0 of every group from block 0."""
+    ngroups = len(local.layout.groups)
+    zero = np.zeros(1, dtype=np.int64)
+    blocks = RequestBlocks(tuple((zero, zero) for _ in range(ngroups)), (0,) * ngroups, 1)
+    reads = _plan_reads(local, remote, local_rank, _rank_work(local, remote, local_rank), blocks)
+
+    def per_region(pool: PoolLayout) -> tuple[np.ndarray, np.ndarray]:
+        return (np.array([r.group_index for r in pool.regions], dtype=np.int64),
+                np.array([r.block_stride for r in pool.regions], dtype=np.int64))
+
+    lg, ls = per_region(local.pool)
+    rg, rs = per_region(remote.pool)
+    out = []
+    for t in reads:
+        for a in (t.local_region, t.local_offset, t.remote_region, t.remote_offset, t.length):
+            a.flags.writeable = False  # shared by every plan made from it
+        out.append(_ShiftedReads(t, lg[t.local_region], ls[t.local_region], rg[t.remote_region], rs[t.remote_region]))
+    return _OneBlockTemplate(tuple(out))
