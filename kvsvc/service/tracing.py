@@ -10,6 +10,7 @@ installs one that exports over OTLP.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -83,7 +84,14 @@ def mark_error(span: Span, err: BaseException) -> None:
 
 
 def server_span(name: str, ctx: Context, **attributes: Any) -> Any:
-    """A span for an RPC (or LeaseChannel call) this server answers, under the caller's trace."""
+    """A span for an RPC (or LeaseChannel call) this server answers, under the caller's trace.
+
+    With no SDK installed and no trace context from the caller, the span OpenTelemetry
+    would make is the invalid one, recording nothing and passing nothing on: that one is
+    given without OpenTelemetry's machinery (~3 % of a D server's CPU per short transfer).
+    """
+    if not ctx and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return contextlib.nullcontext(trace.INVALID_SPAN)
     return tracer.start_as_current_span(name, context=ctx, kind=SpanKind.SERVER, attributes=attributes,
                                         record_exception=False, set_status_on_exception=False)
 

@@ -97,11 +97,15 @@ class NixlThread:
         self._stopping = False  # set, holding _nixl, once the thread drains for stop()
         self._thread = threading.Thread(target=self._run_main, name=name, daemon=True)
         self._started = False
+        # True from start() until the thread's main function returns or raises: what
+        # `alive` reads, twice per transfer (Thread.is_alive takes a lock each time).
+        self._running = False
         self.on_dead: Callable[[], object] | None = None
 
     def start(self) -> None:
         if not self._started:
             self._started = True
+            self._running = True
             self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -116,7 +120,7 @@ class NixlThread:
     @property
     def alive(self) -> bool:
         """Started and still running (False after stop() or a crash)."""
-        return self._started and self._thread.is_alive()
+        return self._running
 
     # ---- asyncio side ---------------------------------------------------------------
 
@@ -133,7 +137,7 @@ class NixlThread:
             pass  # closed: the thread has ended (callers check alive first)
 
     def _check_alive(self) -> None:
-        if self._started and not self._thread.is_alive():
+        if self._started and not self._running:
             raise TransferError("the NIXL thread is not running")
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -343,6 +347,7 @@ class NixlThread:
         except BaseException:
             log.critical("the NIXL thread crashed", exc_info=True)
         finally:
+            self._running = False
             if not stopped:
                 self._fail_pending()
                 if self.on_dead is not None:

@@ -100,3 +100,27 @@ def test_trace_headers_are_bounded():
     huge = good + "x" * 10_000
     assert not trace.get_current_span(context_from_traceparent(huge)).get_span_context().is_valid
     assert not trace.get_current_span(context_from_metadata([("traceparent", huge)])).get_span_context().is_valid
+
+
+def test_without_an_sdk_a_span_is_the_invalid_one_unless_the_caller_sent_a_trace() -> None:
+    """server_span's short cut (no SDK, no caller trace) gives what OpenTelemetry would, and
+    a caller's trace still passes through to P without an SDK. In a fresh process: this
+    module installs an SDK provider in its own."""
+    import subprocess
+    import sys
+
+    code = """
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from kvsvc.service.tracing import server_span, traceparent
+with server_span("kvsvc.Transfer", Context()) as span:
+    assert span is trace.INVALID_SPAN and not span.get_span_context().is_valid, span
+    assert traceparent(span) == ""
+tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+with server_span("kvsvc.Transfer", propagate.extract({"traceparent": tp})) as span:
+    assert not span.is_recording()
+    assert traceparent(span).split("-")[1] == "0af7651916cd43dd8448eb211c80319c", traceparent(span)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

@@ -11,8 +11,7 @@ import pytest
 
 from kvsvc.errors import KvsvcError
 from kvsvc.layout import simple_layout
-from kvsvc.mapping import Side, plan_rank
-from kvsvc.mapping import planner
+from kvsvc.mapping import Side, plan_rank, planner
 
 SSM = {"name": "ssm", "kind": "mamba", "num_layers": 1, "states": [{"shape": [16, 2]}, {"shape": [16, 4]}]}
 SWA = {"name": "swa", "kind": "sliding_window", "num_layers": 2, "sliding_window": 64}
