@@ -62,7 +62,6 @@ class CopyLanes:
     def count(self) -> int:
         return len(self._threads)
 
-
     async def start(self, api: Any, pools: Mapping[int, Pool], backends: list[str]) -> None:
         """Start the lanes and make their agents on the DRAM pools (ranks in VRAM get none)."""
         dram = {rank: pool for rank, pool in sorted(pools.items()) if pool.memory_kind == "DRAM"}
@@ -126,10 +125,10 @@ class CopyLanes:
         posts: list[Coroutine[Any, Any, InFlight]] = []
         for i, (la, ra, ln) in enumerate(parts):
             lane = (first + i) % self.count
-            la_ = self._agents[lane][rank]
-            make = read_maker(la_.agent, la_.pool.memory_kind, la_.pool.device_id, remote_name, la, ra, ln,
+            own = self._agents[lane][rank]
+            make = read_maker(own.agent, own.pool.memory_kind, own.pool.device_id, remote_name, la, ra, ln,
                               remote_memory, remote_device)
-            posts.append(self._threads[lane].post(la_.agent, make))
+            posts.append(self._threads[lane].post(own.agent, make))
         results = await asyncio.gather(*posts, return_exceptions=True)
         flights = [r for r in results if isinstance(r, InFlight)]
         failed = [r for r in results if not isinstance(r, InFlight)]

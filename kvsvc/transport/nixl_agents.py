@@ -215,13 +215,13 @@ class NixlDataPlane:
         20 us one-sided, 0.1-0.2 ms with a notification and P progressing, stalled without).
         """
         local_memory = self.agents[local_rank].pool.memory_kind
-        inline = _inline(length, local_memory, remote_memory)
         if local_memory == "DRAM" and remote_memory == "DRAM" and self._lanes.takes(local_rank, remote_name,
                                                                                     int(length.sum())):
             return await self._guard(self._lanes.post(local_rank, remote_name, local_addr, remote_addr, length,
                                                       remote_memory, remote_device), "post READ")  # type: ignore[no-any-return]
         agent, make = self._read_handle(local_rank, remote_name, local_addr, remote_addr, length, remote_memory,
                                         remote_device)
+        inline = _inline(length, local_memory, remote_memory)
         return [await self._guard(self._thread.post(agent, make, inline), "post READ")]
 
     def read_now(

@@ -80,3 +80,15 @@ def test_the_template_is_used_only_for_one_block_per_group_and_never_changes() -
     again = plan_rank(local, remote, 0, [[9], [3]], [[17], [7]])
     assert [as_lists(r) for r in again.reads] == [as_lists(r) for r in first.reads]
     assert [as_lists(r) for r in first.reads] == full_plan(local, remote, 0, [[9], [3]], [[17], [7]])
+
+
+def test_a_prefix_hit_reads_the_last_remote_block_through_the_template() -> None:
+    # One local block for three remote ones (the first two already held locally): the
+    # template moves to the third remote block, as the full planner trims to it.
+    local, remote = side(1, 8, False, [SWA], "split_kv", "HND", 64), side(2, 8, False, [SWA], "split_kv", "HND", 128)
+    lids, rids = [[5], [6]], [[40, 41, 42], [43]]
+    plan = plan_rank(local, remote, 0, lids, rids)
+    assert plan.prefix_blocks_skipped == (2, 0)
+    assert [as_lists(r) for r in plan.reads] == full_plan(local, remote, 0, lids, rids)
+    moved = plan_rank(local, remote, 0, [[5], [6]], [[42], [43]])
+    assert [as_lists(r) for r in moved.reads] == [as_lists(r) for r in plan.reads]
