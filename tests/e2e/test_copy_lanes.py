@@ -36,7 +36,7 @@ class LanePosts:
         lanes.post = post  # type: ignore[method-assign]
 
 
-async def _fill_random(pe: Engine, seed: int) -> None:
+def _fill_random(pe: Engine, seed: int) -> None:
     buf = pe.mem[0].buf
     buf[:] = np.random.default_rng(seed).integers(0, 256, buf.size, dtype=np.uint8)
 
@@ -50,11 +50,11 @@ async def test_long_reads_split_over_the_lanes_move_exactly_p_bytes(copy_threads
             assert (de.info.transport.copy_threads, pe.info.transport.copy_threads) == (copy_threads, 0)
             spy = LanePosts(d.node.data._lanes)
             try:
-                await _fill_random(pe, copy_threads)
+                _fill_random(pe, copy_threads)
                 rng = random.Random(copy_threads)
                 # 17 MiB contiguous: 16 runs (one per region) of 17 blocks; three lanes cut mid-run.
                 cases = [(list(range(17)), list(range(40, 57))),
-                         (rng.sample(range(80), 24), rng.sample(range(80), 24)),  # shuffled: 192 descriptors
+                         (rng.sample(range(80), 24), rng.sample(range(80), 24)),  # shuffled: one per block and region
                          ([3, 9], [70, 71])]  # 2 MiB: short, one READ on the NIXL thread
                 for i, (src, dst) in enumerate(cases):
                     de.mem[0].buf[:] = 0xAB
