@@ -159,8 +159,10 @@ async def test_allowed_peers_gate_handshake_claim_and_notify():
         await running.stop(0)
 
 
-async def test_health_is_not_serving_when_the_nixl_thread_dies():
-    """The data plane dying under a running server: health says NOT_SERVING, transfers say why."""
+@pytest.mark.parametrize("which", ["nixl thread", "copy lane"])
+async def test_health_is_not_serving_when_the_nixl_thread_dies(which):
+    """The data plane dying under a running server (its NIXL thread, or one of the copy
+    threads long READs are split over): health says NOT_SERVING, transfers say why."""
     import asyncio
 
     import grpc
@@ -168,7 +170,9 @@ async def test_health_is_not_serving_when_the_nixl_thread_dies():
 
     running, port = await create_server(load_config(listen="127.0.0.1:0", tp_size=1, engine_id="dies"))
     try:
-        thread = running.node.data._thread  # type: ignore[union-attr]
+        data = running.node.data
+        assert data is not None and data.copy_threads == 2  # a "both" server reads: it has lanes
+        thread = data._thread if which == "nixl thread" else data._lanes._threads[1]
 
         def crash() -> bool:
             raise RuntimeError("simulated NIXL crash")
