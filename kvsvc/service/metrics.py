@@ -91,7 +91,7 @@ class Metrics:
 
     def transfer_failed(self, peer_engine: str, reason: str) -> None:
         self._child(self._transfers, self.engine, self._bounded("peer_engine", peer_engine), "failed",
-                               self._bounded("reason", reason)).inc()
+                    self._bounded("reason", reason)).inc()
         if reason in NIXL_REASONS:
             self._child(self._nixl_errors, self.engine).inc()
 

@@ -46,12 +46,15 @@ class LaneAgent:
 
 
 class CopyLanes:
-    """`count` lanes (0: none). start() once, after the main agents exist; close() once."""
+    """`count` lanes (0: none), made by start() where a pool is in DRAM. start() once, after
+    the main agents exist; close() once."""
 
     def __init__(self, count: int, agent_name: Callable[[int, int], str]) -> None:
-        self._threads = [NixlThread(f"kvsvc-copy{i}") for i in range(count)]
+        self._wanted = count
         self._agent_name = agent_name  # (rank, lane) -> this process's unique agent name
-        self._agents: list[dict[int, LaneAgent]] = [{} for _ in range(count)]
+        # Made by start(), and only where some pool is in DRAM (a thread holds a wake-up pipe).
+        self._threads: list[NixlThread] = []
+        self._agents: list[dict[int, LaneAgent]] = []
         self._remotes: set[tuple[int, str]] = set()  # (rank, remote agent) connected on every lane
         # (lane, rank, remote agent) for every remote a lane agent was asked to load, noted
         # before asking: a connect cancelled midway is still undone by forget().
@@ -66,7 +69,9 @@ class CopyLanes:
         """Start the lanes and make their agents on the DRAM pools (ranks in VRAM get none)."""
         dram = {rank: pool for rank, pool in sorted(pools.items()) if pool.memory_kind == "DRAM"}
         if not dram:  # nothing they could read into: no threads at all
-            self._threads, self._agents = [], []
+            return
+        self._threads = [NixlThread(f"kvsvc-copy{i}") for i in range(self._wanted)]
+        self._agents = [{} for _ in self._threads]
         for lane, thread in enumerate(self._threads):
             thread.start()
             for rank, pool in dram.items():
