@@ -38,6 +38,10 @@ MAX_LIST_LEASES = 10_000
 DEFAULT_LIST_LEASES = 1000
 MAX_LEASE_CALLS = 1024
 """Most calls in one LeaseChannel message."""
+MAX_STREAM_CALLS = 1024
+"""Most transfers started, and most given up, in one TransferStream message."""
+MAX_STREAM_TRANSFERS = 4096
+"""Most transfers running on one TransferStream at once."""
 MAX_DIGEST_BYTES = 64
 """Longest ClaimLeaseRequest.blocks_digest (16 bytes today; room for a longer hash)."""
 MIN_CLAIM_ID_BYTES = 16

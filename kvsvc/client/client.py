@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 if TYPE_CHECKING:
     from kvsvc.client.lease_channel import LeaseChannel
+    from kvsvc.client.transfer_stream import TransferChannel
 
 @dataclass(frozen=True, slots=True)
 class ClientOptions:
@@ -103,7 +104,7 @@ class ReleaseStream:
         self._call.cancel()
 
 
-def _blocks(ids_per_group: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
+def blocks_proto(ids_per_group: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
     return [pb.BlockIds(block_ids=[int(b) for b in ids]) for ids in ids_per_group]
 
 
@@ -160,7 +161,7 @@ class AsyncClient:
         num_tokens: int = 0, timeout_s: float | None = None,
     ) -> pb.PublishBlocksResponse:
         """Lease a request's blocks; num_tokens (the request's length) is required on a DCP engine."""
-        req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=_blocks(block_ids_per_group),
+        req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=blocks_proto(block_ids_per_group),
                                       lease_ttl_ms=lease_ttl_ms, num_tokens=num_tokens)
         return await self.publish_blocks_request(req, timeout_s=timeout_s)
 
@@ -183,8 +184,20 @@ class AsyncClient:
         *, timeout_s: float | None = None,
     ) -> pb.TransferResponse:
         req = pb.TransferRequest(request_id=request_id, params=params,
-                                 local_block_ids_per_group=_blocks(local_block_ids_per_group))
-        return await self._call(self._stub.Transfer, req, timeout_s)  # type: ignore[no-any-return]
+                                 local_block_ids_per_group=blocks_proto(local_block_ids_per_group))
+        return await self.transfer_request(req, timeout_s=timeout_s)
+
+    async def transfer_request(self, req: pb.TransferRequest, *, timeout_s: float | None = None,
+                               traceparent: str = "") -> pb.TransferResponse:
+        return await self._call(self._stub.Transfer, req, timeout_s,  # type: ignore[no-any-return]
+                                traceparent=traceparent)
+
+    def transfer_channel(self) -> TransferChannel:
+        """Transfers over one TransferStream (what an engine that runs many uses; a
+        message each instead of a call each): .transfer() as here, .close() when done."""
+        from kvsvc.client.transfer_stream import TransferChannel
+
+        return TransferChannel(self)
 
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
                      traceparent: str = "") -> pb.NotifyResponse:

@@ -241,6 +241,18 @@ class Decoder:
             if job.waiters == 0 and not job.task.done():
                 job.task.cancel()  # nobody waits for it any more: abort, settle, free P's lease
 
+    async def given_up(self, request_id: str) -> bool:
+        """After a caller gave up waiting for request_id's transfer: wait until nothing of it
+        writes into its local blocks any more and return True, or return False at once when
+        another caller (a retry) still waits for it and it goes on."""
+        job = self.jobs.find(request_id)
+        if job is None or job.settled.is_set():
+            return True
+        if job.waiters > 0:
+            return False
+        await asyncio.shield(job.settled.wait())
+        return True
+
     async def wait(self, req: pb.WaitTransferRequest) -> pb.WaitTransferResponse:
         node = self.node
         node.require_role(Role.DECODE, "WaitTransfer")

@@ -72,6 +72,7 @@ class RunningServer:
         await self.servicer.close_lease_channels()  # D's notifications for those came in on them
         if self.lease_socket is not None:
             await self.lease_socket.close()
+        self.servicer.close_transfer_streams()  # they answer what runs, then end
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)  # 3. in-flight RPCs finish within the grace period
         await self.decoder.close()  # 4. transfers settle, peer channels close

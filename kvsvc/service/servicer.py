@@ -38,6 +38,7 @@ from kvsvc.service.inspect import list_leases
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
 from kvsvc.service.tracing import context_from_metadata, context_from_traceparent, server_span
+from kvsvc.service.transfer_stream import TransferStreamSession
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -81,6 +82,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.siblings = siblings
         self._lease_channels: dict[asyncio.Task[Any], grpc.aio.ServicerContext] = {}
         self._channels_closed = False
+        self._transfer_streams: set[TransferStreamSession] = set()
+        self._streams_closed = False
 
     @rpc_errors
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -135,6 +138,38 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         require_engine(self.node, caller_names(context), "run transfers")
         return await self.decoder.transfer(request, context.time_remaining(),
                                            context_from_metadata(context.invocation_metadata()))
+
+    async def TransferStream(
+        self, request_iterator: AsyncIterator[pb.TransferStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TransferStreamResponse]:
+        """Transfers as messages (service/transfer_stream.py); a transfer's error is its answer."""
+        try:
+            if self._streams_closed:
+                raise Unavailable("SHUTTING_DOWN", "this server is shutting down and opens no TransferStream")
+            self.node.require_role(Role.DECODE, "TransferStream")
+            require_engine(self.node, caller_names(context), "run transfers")
+        except KvsvcError as e:
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        session = TransferStreamSession(self.decoder, context.time_remaining())
+        self._transfer_streams.add(session)
+        try:
+            async for resp in session.answers(request_iterator):
+                yield resp
+        except KvsvcError as e:
+            log.info("TransferStream ended: %s", clip(str(e), 300))
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        finally:
+            self._transfer_streams.discard(session)
+        if session.closing:
+            err = Unavailable("SHUTTING_DOWN", "this server is shutting down; open a new TransferStream elsewhere")
+            await context.abort_with_status(rpc_status.to_status(to_status(err)))
+
+    def close_transfer_streams(self) -> None:
+        """At shutdown: open TransferStreams take no new transfers and end with SHUTTING_DOWN
+        once their running ones are answered (within the server's grace period)."""
+        self._streams_closed = True
+        for session in self._transfer_streams:
+            session.close()
 
     @rpc_errors
     async def WaitTransfer(

@@ -136,6 +136,10 @@ class TransferJobs:
                 pass
         return job.outcome()
 
+    def find(self, request_id: str) -> Job | None:
+        """The running or remembered job of request_id."""
+        return self._running.get(request_id) or self._done.get(request_id)
+
     @property
     def running(self) -> int:
         return len(self._running)

@@ -734,6 +734,40 @@ class LeaseAnswer(_message.Message):
     error_status: bytes
     def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseResponse, _Mapping]] = ..., notify: _Optional[_Union[NotifyResponse, _Mapping]] = ..., error_status: _Optional[bytes] = ...) -> None: ...
 
+class TransferStreamRequest(_message.Message):
+    __slots__ = ("transfers", "cancel_request_ids")
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferCall]
+    cancel_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferCall, _Mapping]]] = ..., cancel_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TransferCall(_message.Message):
+    __slots__ = ("request", "timeout_ms", "traceparent")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    request: TransferRequest
+    timeout_ms: int
+    traceparent: str
+    def __init__(self, request: _Optional[_Union[TransferRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class TransferStreamResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[TransferAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[TransferAnswer, _Mapping]]] = ...) -> None: ...
+
+class TransferAnswer(_message.Message):
+    __slots__ = ("request_id", "response", "error_status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: TransferResponse
+    error_status: bytes
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[TransferResponse, _Mapping]] = ..., error_status: _Optional[bytes] = ...) -> None: ...
+
 class ListLeasesRequest(_message.Message):
     __slots__ = ("limit", "request_id_prefix")
     LIMIT_FIELD_NUMBER: _ClassVar[int]

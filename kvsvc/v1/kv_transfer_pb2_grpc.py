@@ -87,6 +87,11 @@ class KvTransferServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.FromString,
                 _registered_method=True)
+        self.TransferStream = channel.stream_stream(
+                '/kvsvc.v1.KvTransferService/TransferStream',
+                request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.TransferStreamRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.TransferStreamResponse.FromString,
+                _registered_method=True)
         self.ListLeases = channel.unary_unary(
                 '/kvsvc.v1.KvTransferService/ListLeases',
                 request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.SerializeToString,
@@ -185,6 +190,21 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferStream(self, request_iterator, context):
+        """On D, for engines that run many transfers: Transfers as messages on one long-lived
+        stream instead of a call each. Each TransferCall starts (or, a retry, joins) the
+        transfer of its request_id exactly as Transfer does -- same checks, same job, same
+        answers and errors -- and its TransferAnswer comes back when it ends, in the order
+        transfers end, named by request_id; one transfer's error is its answer and the stream
+        goes on. A transfer this stream gives up (cancel_request_ids, or the stream ending
+        before its answer) is given up as by a unary caller that goes away. A message costs a
+        fraction of a unary call (on a small host the D server's CPU per transfer ~0.4 ms
+        less, a round trip ~0.45 ms shorter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListLeases(self, request, context):
         """For operators (the engine's identity under mTLS): the live leases this server holds,
         the P servers it reads from and its running transfers. Read only: listing extends
@@ -246,6 +266,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.LeaseChannel,
                     request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.SerializeToString,
+            ),
+            'TransferStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.TransferStream,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.TransferStreamRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.TransferStreamResponse.SerializeToString,
             ),
             'ListLeases': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLeases,
@@ -526,6 +551,33 @@ class KvTransferService:
             '/kvsvc.v1.KvTransferService/LeaseChannel',
             kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__transfer__pb2.LeaseChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsvc.v1.KvTransferService/TransferStream',
+            kvsvc_dot_v1_dot_kv__transfer__pb2.TransferStreamRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__transfer__pb2.TransferStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,224 @@
+"""Transfer over one TransferStream to a D server: what an engine that runs many uses.
+
+A unary Transfer is a whole gRPC call; on a stream each transfer is a message (the proto
+says how the server treats them). TransferChannel.transfer() takes and answers what
+AsyncClient.transfer() does -- the same response, the same errors with their details --
+so a caller can switch by changing one line:
+
+- the transfer's deadline travels in the message (timeout_ms) and is also kept here: a
+  server that does not answer in time gives DEADLINE_EXCEEDED, as a unary call would;
+- a caller that is cancelled gives the transfer up on the server too (cancel_request_ids);
+- a stream that breaks before an answer leaves that transfer's outcome unknown, like a
+  lost unary call: UNAVAILABLE (ask AsyncClient.settled() before reusing the blocks);
+  the next transfer opens a fresh stream;
+- a second transfer with a request id already waiting on this channel, and every
+  transfer to a server without TransferStream (UNIMPLEMENTED), go as unary calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
+from kvsvc.client.client import AsyncClient, blocks_proto
+from kvsvc.client.errors import error_from_rpc, error_from_status
+from kvsvc.errors import DeadlineExceeded, Internal, KvsvcError, Unavailable
+from kvsvc.limits import MAX_STREAM_CALLS
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_METHOD = "/kvsvc.v1.KvTransferService/TransferStream"
+
+# The timeout_ms field holds at most this (~49 days).
+_MAX_TIMEOUT_MS = (1 << 32) - 1
+
+
+class _Ended(Exception):
+    """The stream ended before the answer; error says how (None: closed)."""
+
+    def __init__(self, error: KvsvcError | None) -> None:
+        super().__init__(str(error) if error else "the TransferStream ended")
+        self.error = error
+
+
+class _Stream:
+    """One open TransferStream call: transfers waiting for answers, a queue of what is to
+    be sent, and a reader that hands answers to their callers. Whoever has something to
+    send while no write is in flight writes, and keeps writing what others queued meanwhile."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.pending: dict[str, asyncio.Future[pb.TransferAnswer]] = {}
+        self.starts: list[pb.TransferCall] = []
+        self.cancels: list[str] = []
+        self.writing = False
+        self.ended = False
+        self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-transfer-stream")
+
+    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
+        if self.ended:
+            raise _Ended(None)
+        if start is not None:
+            self.starts.append(start)
+        if cancel is not None:
+            self.cancels.append(cancel)
+        if self.writing:
+            return  # the write in flight sends it next
+        self.writing = True
+        try:
+            while (self.starts or self.cancels) and not self.ended:
+                starts, self.starts = self.starts[:MAX_STREAM_CALLS], self.starts[MAX_STREAM_CALLS:]
+                cancels, self.cancels = self.cancels[:MAX_STREAM_CALLS], self.cancels[MAX_STREAM_CALLS:]
+                await self.call.write(pb.TransferStreamRequest(transfers=starts, cancel_request_ids=cancels))
+        except BaseException as e:
+            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
+            # so the stream ends (its transfers' outcomes are unknown, as for a lost call).
+            self._end(Unavailable("UNAVAILABLE", f"the TransferStream write failed: {type(e).__name__}"))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self.writing = False
+
+    async def _read(self) -> None:
+        error: KvsvcError | None = None
+        try:
+            async for resp in self.call:
+                for answer in resp.answers:
+                    fut = self.pending.pop(answer.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(answer)
+        except grpc.aio.AioRpcError as e:
+            error = error_from_rpc(e)
+        except asyncio.CancelledError:
+            error = Unavailable("UNAVAILABLE", "the TransferStream was closed")
+        finally:
+            self._end(error)
+
+    def _end(self, error: KvsvcError | None) -> None:
+        """In one step, without awaiting: nothing can join this stream after it ended."""
+        if self.ended:
+            return
+        self.ended = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(_Ended(error))
+        self.pending.clear()
+        self.starts.clear()
+        self.cancels.clear()
+        self.call.cancel()
+
+    async def close(self) -> None:
+        with_answers = self.writing or bool(self.pending)
+        self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+        if with_answers:
+            log.debug("a TransferStream closed with transfers unanswered")
+
+
+class TransferChannel:
+    """transfer() like AsyncClient's, over one TransferStream to client's server."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._opening = asyncio.Lock()
+        self._stream: _Stream | None = None
+        self._unary = False
+        self._closed = False
+        self.streams_opened = 0  # streams opened so far (a broken one is replaced on the next transfer)
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a stream is open now (it opens on the first transfer, and again after a break)."""
+        return self._stream is not None and not self._stream.ended
+
+    async def transfer(
+        self, request_id: str, params: pb.TransferParams, local_block_ids_per_group: Sequence[Sequence[int]],
+        *, timeout_s: float | None = None, traceparent: str = "",
+    ) -> pb.TransferResponse:
+        """As AsyncClient.transfer (timeout_s: this transfer's deadline, the client's default if None)."""
+        req = pb.TransferRequest(request_id=request_id, params=params,
+                                 local_block_ids_per_group=blocks_proto(local_block_ids_per_group))
+        return await self.transfer_request(req, timeout_s=timeout_s, traceparent=traceparent)
+
+    async def transfer_request(self, req: pb.TransferRequest, *, timeout_s: float | None = None,
+                               traceparent: str = "") -> pb.TransferResponse:
+        timeout = timeout_s or self._client.options.timeout_s
+        stream = None if self._unary or self._closed else await self._open()
+        if stream is None or req.request_id in stream.pending:
+            return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
+        fut: asyncio.Future[pb.TransferAnswer] = asyncio.get_running_loop().create_future()
+        stream.pending[req.request_id] = fut
+        call = pb.TransferCall(request=req, timeout_ms=min(_MAX_TIMEOUT_MS, max(1, int(timeout * 1000))),
+                               traceparent=traceparent)
+        answered = False
+        try:
+            async with asyncio.timeout(timeout):
+                await stream.send(start=call)
+                answer = await fut
+            answered = True
+        except TimeoutError:
+            raise DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer from {self.address} for transfer "
+                                   f"{req.request_id!r} within {timeout:.3f} s") from None
+        except _Ended as e:
+            answered = True  # nothing left to give up on that stream
+            if e.error is not None and e.error.reason == "UNIMPLEMENTED":
+                log.info("%s has no TransferStream: transfers go unary", self.address)
+                self._unary = True
+                return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
+            if e.error is not None and e.error.reason not in ("UNAVAILABLE", "CANCELLED"):
+                raise e.error from None  # the server's own end of the stream (SHUTTING_DOWN, NOT_AN_ENGINE, ...)
+            raise Unavailable("UNAVAILABLE", f"the TransferStream to {self.address} broke before the answer "
+                              f"to {req.request_id!r}: {e.error or 'closed'}") from None
+        finally:
+            if stream.pending.get(req.request_id) is fut:
+                del stream.pending[req.request_id]
+            if not answered and not stream.ended:
+                # Cancelled or timed out here: give it up on the server too (as a unary caller
+                # going away would), without waiting for that message to go out.
+                self._spawn_cancel(stream, req.request_id)
+        if answer.WhichOneof("result") == "response":
+            return answer.response
+        raise _error_of(answer)
+
+    def _spawn_cancel(self, stream: _Stream, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(stream.send(cancel=request_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a broken stream gave it up anyway
+
+    async def _open(self) -> _Stream:
+        if self._stream is not None and not self._stream.ended:
+            return self._stream
+        async with self._opening:  # one stream at a time, however many callers found none
+            if self._stream is None or self._stream.ended:
+                # No deadline: the stream lives as long as the channel; each transfer has its own.
+                call = self._client.channel.stream_stream(
+                    _METHOD, request_serializer=pb.TransferStreamRequest.SerializeToString,
+                    response_deserializer=pb.TransferStreamResponse.FromString)()
+                self._stream = _Stream(call)
+                self.streams_opened += 1
+            return self._stream
+
+    async def close(self) -> None:
+        """Close the stream: transfers still waiting on it are given up (on the server too)."""
+        self._closed = True
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
+
+
+def _error_of(answer: pb.TransferAnswer) -> KvsvcError:
+    try:
+        return error_from_status(status_pb2.Status.FromString(answer.error_status))
+    except DecodeError:
+        return Internal("INTERNAL", f"the D server answered an unreadable error ({len(answer.error_status)} bytes)")
