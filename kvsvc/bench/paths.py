@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,6 +17,15 @@ from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.mapping.planner import Side, plan_rank
 from kvsvc.memory.pools import ShmPool
 from kvsvc.v1 import kv_transfer_pb2 as pb
+
+
+class Transferer(Protocol):
+    """What runs a Transfer: AsyncClient (a unary call each) or its TransferChannel (a
+    message each on one TransferStream)."""
+
+    async def transfer(self, request_id: str, params: pb.TransferParams,
+                       local_block_ids_per_group: Sequence[Sequence[int]], *,
+                       timeout_s: float | None = None) -> pb.TransferResponse: ...
 
 
 @dataclass
@@ -35,7 +44,7 @@ def wire_seconds(resp: pb.TransferResponse) -> float:
     return max((r.duration_us for r in resp.ranks), default=0) / 1e6
 
 
-async def kvsvc_sequential(pc: AsyncClient, dc: AsyncClient, p_ids: list[int], d_ids: list[int], runs: int,
+async def kvsvc_sequential(pc: AsyncClient, dc: Transferer, p_ids: list[int], d_ids: list[int], runs: int,
                            tag: str, warmup: int = 1) -> Samples:
     """Publish, then time Transfer, one request at a time; the first `warmup` runs are not kept."""
     out = Samples()
@@ -51,7 +60,7 @@ async def kvsvc_sequential(pc: AsyncClient, dc: AsyncClient, p_ids: list[int], d
     return out
 
 
-async def kvsvc_concurrent(pc: AsyncClient, dc: AsyncClient, requests: int, in_flight: int,
+async def kvsvc_concurrent(pc: AsyncClient, dc: Transferer, requests: int, in_flight: int,
                            blocks: Callable[[int], tuple[list[int], list[int]]], tag: str) -> Samples:
     """`requests` Transfers with `in_flight` at a time; leases are published first, so the
     figures are D's and P's transfer work alone (publishing is the P engine's)."""

@@ -44,12 +44,17 @@ def draw(res: dict[str, Any], out_dir: str) -> list[Path]:
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 
-    conc = sorted(res["concurrency"], key=lambda c: c["in_flight"])
+    rows = sorted(res["concurrency"], key=lambda c: c["in_flight"])
+    conc = [c for c in rows if c.get("api", "stream") == "stream"]
+    unary = [c for c in rows if c.get("api") == "unary"]
     fig, ax = plt.subplots(figsize=(6, 4.5))
     xs = [c["in_flight"] for c in conc]
     for key, label, style in (("transfer_p50_ms", "Transfer p50", "-o"), ("transfer_p99_ms", "Transfer p99", "--o"),
                               ("wire_p50_ms", "wire p50", "-s"), ("wire_p99_ms", "wire p99", "--s")):
         ax.plot(xs, [c[key] for c in conc], style, label=label)
+    if unary:
+        ax.plot([c["in_flight"] for c in unary], [c["transfer_p50_ms"] for c in unary], ":^",
+                label="Transfer p50, unary calls")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("1-block requests in flight")

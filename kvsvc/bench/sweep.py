@@ -30,6 +30,7 @@ from kvsvc.bench.measure import CpuMeter, Progress, cpu_seconds, gbps, ms
 from kvsvc.bench.paths import RawNixl, Samples, kvsvc_concurrent, kvsvc_sequential, memcpy_runs, rpc_round_trips
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.attach import AttachedPool, attach_pool
+from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.codec import layout_from_proto
 from kvsvc.layout.build import simple_layout
 from kvsvc.layout.regions import build_pool_layout
@@ -71,6 +72,8 @@ class Target:
     dc: AsyncClient
     p_info: pb.GetInfoResponse
     d_info: pb.GetInfoResponse
+    xfer: TransferChannel
+    """How the kvsvc path runs its Transfers: on one TransferStream, as an engine does."""
     pids: dict[str, int] = field(default_factory=dict)
     p_pool: AttachedPool | None = None
     d_pool: AttachedPool | None = None
@@ -107,13 +110,14 @@ async def target(args: argparse.Namespace, num_blocks: int) -> AsyncIterator[Tar
     opts = client_options(args)
     try:
         async with AsyncClient(p_addr, opts) as pc, AsyncClient(d_addr, opts) as dc:
-            t = Target(pc, dc, await pc.get_info(), await dc.get_info())
+            t = Target(pc, dc, await pc.get_info(), await dc.get_info(), dc.transfer_channel())
             if started:
                 t.pids = {"prefill": started[0].proc.pid, "decode": started[1].proc.pid, "client": os.getpid()}
             t.p_pool, t.d_pool = _attach(t.p_info), _attach(t.d_info)
             try:
                 yield t
             finally:
+                await t.xfer.close()
                 for pool in (t.p_pool, t.d_pool):
                     if pool is not None:
                         pool.close()
@@ -145,7 +149,7 @@ async def size_point(t: Target, raw: RawNixl | None, n: int, pattern: str, p_ids
     """Every path for one request size and block pattern; medians and percentiles."""
     meter = CpuMeter(t.pids)
     meter.start()
-    ks = await kvsvc_sequential(t.pc, t.dc, p_ids, d_ids, runs, f"{pattern}-{n}")
+    ks = await kvsvc_sequential(t.pc, t.xfer, p_ids, d_ids, runs, f"{pattern}-{n}")
     cpu = meter.stop()
     row: dict[str, Any] = {"blocks": n, "pattern": pattern, "bytes": ks.nbytes, "descriptors": ks.descriptors,
                            "verified": verified(t, p_ids, d_ids), **_latency(ks),
@@ -168,20 +172,24 @@ async def cold_vs_warm(t: Target, first_block: int, n: int) -> dict[str, Any]:
     for k in range(COLD_TRIALS):
         d_ids = list(range(first_block + k * n, first_block + (k + 1) * n))
         for label, into in (("cold", cold), ("warm", warm)):
-            s = await kvsvc_sequential(t.pc, t.dc, list(range(n)), d_ids, 1, f"{label}{k}", warmup=0)
+            s = await kvsvc_sequential(t.pc, t.xfer, list(range(n)), d_ids, 1, f"{label}{k}", warmup=0)
             into.extend(s.wire)
     med = statistics.median
     return {"blocks": n, "cold_wire_p50_ms": 1e3 * med(cold), "warm_wire_p50_ms": 1e3 * med(warm),
             "cold_over_warm": med(cold) / med(warm) if med(warm) > 0 else 0.0}
 
 
-async def concurrency_point(t: Target, in_flight: int, requests: int, p_blocks: int, first_slot: int) -> dict[str, Any]:
+async def concurrency_point(t: Target, in_flight: int, requests: int, p_blocks: int, first_slot: int,
+                            api: str) -> dict[str, Any]:
+    """1-block requests, in_flight at a time, on the TransferStream (api "stream") or as
+    unary Transfer calls ("unary")."""
     meter = CpuMeter(t.pids)
     meter.start()
-    s = await kvsvc_concurrent(t.pc, t.dc, requests, in_flight,
-                               lambda i: ([i % p_blocks], [first_slot + i % CONCURRENCY_SLOTS]), f"c{in_flight}")
+    s = await kvsvc_concurrent(t.pc, t.xfer if api == "stream" else t.dc, requests, in_flight,
+                               lambda i: ([i % p_blocks], [first_slot + i % CONCURRENCY_SLOTS]),
+                               f"{api}-{in_flight}")
     cpu = meter.stop()
-    return {"in_flight": in_flight, "requests": requests, "transfers_per_s": requests / s.elapsed,
+    return {"in_flight": in_flight, "api": api, "requests": requests, "transfers_per_s": requests / s.elapsed,
             "gbps": gbps(s.nbytes, s.elapsed), **_latency(s), **_cpu_per_gb(cpu, s.nbytes)}
 
 
@@ -235,7 +243,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if info.layout.num_blocks < need:
                 raise SystemExit(f"kvsvc bench: the {side} server has {info.layout.num_blocks} blocks; this run "
                                  f"needs {need} (lower --max-mib)")
-        progress = Progress(2 * len(sizes) + 1 + len(concurrency) + 2, args.quiet)
+        progress = Progress(2 * len(sizes) + 1 + 2 * len(concurrency) + 2, args.quiet)
         rng = np.random.default_rng(1)
         if t.p_pool is not None:
             t.p_pool.buffer[:] = rng.integers(0, 256, t.p_pool.buffer.size, dtype=np.uint8)
@@ -270,11 +278,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.step(f"cold vs warm: {cold['cold_over_warm']:.2f}")
         conc = []
         for c in concurrency:
-            row = await concurrency_point(t, c, args.requests if c > 1 else max(50, args.requests // 2), largest,
-                                          slots_first)
-            conc.append(row)
-            progress.step(f"{c} in flight: {row['transfers_per_s']:.0f} transfers/s, p99 "
-                          f"{row['transfer_p99_ms']:.2f} ms")
+            for api in ("stream", "unary"):  # side by side, the stream first as engines use it
+                row = await concurrency_point(t, c, args.requests if c > 1 else max(50, args.requests // 2),
+                                              largest, slots_first, api)
+                conc.append(row)
+                progress.step(f"{c} in flight ({api}): {row['transfers_per_s']:.0f} transfers/s, p99 "
+                              f"{row['transfer_p99_ms']:.2f} ms")
         rtt = await rpc_round_trips(t.dc, 200)
         progress.step(f"gRPC round trip p50 {ms(rtt, 50):.3f} ms")
         d_transport = (await t.dc.get_info()).transport
@@ -295,8 +304,12 @@ def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dic
     """The headline figures (stable JSON keys) over the detailed rows."""
     largest = max(p["blocks"] for p in points)
     big = {p["pattern"]: p for p in points if p["blocks"] == largest}
-    one = next((c for c in conc if c["in_flight"] == 1), None)
-    many = max(conc, key=lambda c: c["in_flight"]) if conc else None
+    stream = [c for c in conc if c["api"] == "stream"]
+    unary = [c for c in conc if c["api"] == "unary"]
+    one = next((c for c in stream if c["in_flight"] == 1), None)
+    many = max(stream, key=lambda c: c["in_flight"]) if stream else None
+    one_unary = next((c for c in unary if c["in_flight"] == 1), None)
+    many_unary = max(unary, key=lambda c: c["in_flight"]) if unary else None
     single = next(p for p in points if p["blocks"] == 1 and p["pattern"] == "shuffled")
     ratio = {f"kvsvc_over_raw_nixl_{k}": (v["kvsvc_transfer_gbps"] / v["raw_nixl_gbps"]) if v.get("raw_nixl_gbps")
              else None for k, v in big.items()}
@@ -311,6 +324,10 @@ def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dic
         "overhead_p50_ms": (one or single)["transfer_p50_ms"] - (one or single)["wire_p50_ms"],
         "transfers_per_s": many["transfers_per_s"] if many else None,
         "transfers_per_s_in_flight": many["in_flight"] if many else None,
+        # the same with a unary Transfer call per request instead of the TransferStream
+        "overhead_p50_ms_unary": one_unary["transfer_p50_ms"] - one_unary["wire_p50_ms"] if one_unary else None,
+        "transfers_per_s_unary": many_unary["transfers_per_s"] if many_unary else None,
+        "transfer_api": "stream",
         "cold_over_warm": cold["cold_over_warm"],
         "grpc_round_trip_p50_ms": rtt_ms,
         "verified": all(checks) if checks else None,

@@ -10,6 +10,7 @@ aborted); vLLM frees them once every worker reported it.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -20,6 +21,7 @@ from typing import Any
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
 from kvsvc.client.leases import abort_published
+from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.config import Role, load_config
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription
@@ -57,6 +59,11 @@ class KvsvcWorker:
         self._loop = LoopThread(f"kvsvc-worker-{tp_rank}")
         self._server: RunningServer | None = None
         self._client: AsyncClient | None = None
+        # D: transfers go as messages on one TransferStream to this rank's server (made on
+        # the first one, on the worker's loop): a unary call each costs both ends more CPU.
+        self._transfers: TransferChannel | None = None
+        self._tasks: dict[str, asyncio.Task[Any]] = {}  # running transfers, on the loop
+        self._given_up: set[str] = set()  # cancelled before their task ran
         self.info: ServerInfo | None = None
         self._lock = threading.Lock()
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
@@ -106,10 +113,12 @@ class KvsvcWorker:
         for fut in list(self._running.values()):
             fut.cancel()
         if self._server is not None:
-            server, client = self._server, self._client
-            self._server = self._client = None
+            server, client, transfers = self._server, self._client, self._transfers
+            self._server = self._client = self._transfers = None
 
             async def down() -> None:
+                if transfers is not None:
+                    await transfers.close()
                 if client is not None:
                     await client.close()
                 await server.stop(5)
@@ -128,18 +137,50 @@ class KvsvcWorker:
             self._running[req_id] = fut
             fut.add_done_callback(functools.partial(self._settle, req_id, recv))
         for req_id in meta.cancel:
-            running = self._running.get(req_id)
-            if running is not None:
-                self._loop.loop.call_soon_threadsafe(running.cancel)
+            if req_id in self._running:
+                # Not the future's cancel(): that would report the transfer ended (and vLLM
+                # free its blocks) at once, while a READ may still write into them.
+                self._loop.loop.call_soon_threadsafe(self._give_up, req_id)
         if self.tp_rank == 0:  # one abort per abandoned request is enough (it names every P server)
             for req_id, params in meta.abandon.items():
                 self._loop.submit(self._abandon(req_id, params))
 
+    def _give_up(self, req_id: str) -> None:
+        """On the loop: cancel req_id's transfer (or, not started yet, keep it from starting)."""
+        task = self._tasks.get(req_id)
+        if task is not None:
+            task.cancel()
+        else:
+            self._given_up.add(req_id)
+
     async def _transfer(self, req_id: str, recv: Receive) -> Any:
         assert self._client is not None
+        if req_id in self._given_up:
+            self._given_up.discard(req_id)
+            raise asyncio.CancelledError
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[req_id] = task
         log.debug("kvsvc: loading %s into %s", req_id, [len(g) for g in recv.local_block_ids])
-        params = kvparams.from_vllm(recv.params)
-        return await self._client.transfer(req_id, params, recv.local_block_ids, timeout_s=TRANSFER_TIMEOUT_S)
+        try:
+            params = kvparams.from_vllm(recv.params)
+            if self._transfers is None:
+                self._transfers = self._client.transfer_channel()
+            return await self._transfers.transfer(req_id, params, recv.local_block_ids, timeout_s=TRANSFER_TIMEOUT_S)
+        except BaseException as e:
+            # vLLM frees (and may reuse) the request's blocks once told it ended: tell it only
+            # when nothing of the transfer can write into them any more.
+            await asyncio.shield(self._settled(req_id, e))
+            raise
+        finally:
+            self._tasks.pop(req_id, None)
+
+    async def _settled(self, req_id: str, error: BaseException) -> None:
+        assert self._client is not None
+        try:
+            await self._client.settled(req_id, error)
+        except Exception as e:  # the server is gone (shutting down): nothing of it writes any more
+            log.warning("kvsvc: could not learn whether %s settled: %s", req_id, e)
 
     def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
         failed = fut.cancelled() or fut.exception() is not None
