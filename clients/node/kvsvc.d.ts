@@ -66,6 +66,14 @@ export class KvsvcClient {
   waitTransfer(request: { request_id: string; wait_ms?: number }, options?: CallOptions): Promise<WaitTransferResponse>;
   listLeases(request?: { limit?: number; request_id_prefix?: string }, options?: CallOptions): Promise<Record<string, unknown>>;
   watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
+  // Transfers as messages on one TransferStream (what an engine that runs many uses).
+  transferChannel(): TransferChannel;
+  close(): void;
+}
+
+export class TransferChannel {
+  // As KvsvcClient.transfer; the same answers and errors.
+  transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[] }, options?: CallOptions): Promise<TransferResponse>;
   close(): void;
 }
 

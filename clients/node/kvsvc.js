@@ -53,14 +53,22 @@ class KvsvcError extends Error {
 }
 
 function toKvsvcError(err) {
-  const code = CODE_NAMES[err.code] || 'UNKNOWN';
+  const raw = err.metadata && err.metadata.get('grpc-status-details-bin');
+  return fromStatus(CODE_NAMES[err.code] || 'UNKNOWN', err.details || err.message, raw && raw.length ? raw[0] : null);
+}
+
+// The KvsvcError of a serialized google.rpc.Status (a call's grpc-status-details-bin, or a
+// TransferStream answer's error_status).
+function fromStatus(fallbackCode, fallbackMessage, raw) {
+  let code = fallbackCode;
   let reason = code;
   let metadata = {};
   let violations = [];
-  let message = err.details || err.message;
-  const raw = err.metadata && err.metadata.get('grpc-status-details-bin');
-  if (raw && raw.length) {
-    const status = Status.decode(raw[0]);
+  let message = fallbackMessage;
+  if (raw) {
+    const status = Status.decode(raw);
+    if (status.code in CODE_NAMES) code = CODE_NAMES[status.code];
+    reason = code;
     message = status.message || message;
     for (const any of status.details) {
       if (any.type_url.endsWith('/google.rpc.ErrorInfo')) {
@@ -154,9 +162,89 @@ class KvsvcClient {
     return iterator;
   }
 
+  // Transfers as messages on one TransferStream (what an engine that runs many uses):
+  // .transfer(request, {timeoutMs}) as the unary call, .close() when done.
+  transferChannel() { return new TransferChannel(this); }
+
   close() { this.raw.close(); }
+}
+
+// Answers are matched to transfers by request_id. A transfer whose deadline passes is given
+// up on the server too (cancel_request_ids); a stream that breaks fails its waiting
+// transfers with UNAVAILABLE (their outcome unknown: ask waitTransfer before reusing the
+// blocks) and the next transfer opens a new one. A request id already waiting here, and
+// every transfer to a server without TransferStream, go as unary calls.
+class TransferChannel {
+  constructor(client) {
+    this.client = client;
+    this.call = null;
+    this.pending = new Map();
+    this.unary = false;
+  }
+
+  transfer(request, { timeoutMs } = {}) {
+    const t = timeoutMs || this.client.timeoutMs;
+    if (this.unary || this.pending.has(request.request_id)) return this.client.transfer(request, { timeoutMs: t });
+    return new Promise((resolve, reject) => {
+      const call = this._open();
+      const id = request.request_id;
+      const timer = setTimeout(() => {
+        this.pending.delete(id);
+        if (this.call === call) call.write({ cancel_request_ids: [id] });
+        reject(new KvsvcError('DEADLINE_EXCEEDED', 'DEADLINE_EXCEEDED', `no answer for ${id} within ${t} ms`));
+      }, t);
+      this.pending.set(id, { resolve, reject, timer, request, timeoutMs: t });
+      call.write({ transfers: [{ request, timeout_ms: t }] });
+    });
+  }
+
+  _open() {
+    if (this.call) return this.call;
+    const call = this.client.raw.TransferStream();
+    call.on('data', (resp) => {
+      for (const answer of resp.answers) {
+        const waiting = this.pending.get(answer.request_id);
+        if (!waiting) continue;
+        this.pending.delete(answer.request_id);
+        clearTimeout(waiting.timer);
+        if (answer.result === 'response') waiting.resolve(answer.response);
+        else waiting.reject(fromStatus('UNKNOWN', 'the transfer failed', answer.error_status));
+      }
+    });
+    const ended = (err) => {
+      if (this.call !== call) return;
+      this.call = null;
+      const waiting = [...this.pending.values()];
+      this.pending.clear();
+      const error = err ? toKvsvcError(err) : null;
+      for (const w of waiting) {
+        clearTimeout(w.timer);
+        if (error && error.code === 'UNIMPLEMENTED') {
+          this.unary = true;
+          this.client.transfer(w.request, { timeoutMs: w.timeoutMs }).then(w.resolve, w.reject);
+        } else if (error && error.reason !== 'UNAVAILABLE' && error.reason !== 'CANCELLED') {
+          w.reject(error); // the server's own end of the stream (SHUTTING_DOWN, NOT_AN_ENGINE, ...)
+        } else {
+          w.reject(new KvsvcError('UNAVAILABLE', 'UNAVAILABLE',
+            `the TransferStream broke before the answer to ${w.request.request_id}`));
+        }
+      }
+      if (error && error.code === 'UNIMPLEMENTED') this.unary = true;
+    };
+    call.on('error', ended);
+    call.on('end', () => ended(null));
+    this.call = call;
+    return call;
+  }
+
+  close() {
+    const call = this.call;
+    if (!call) return;
+    call.end();
+    call.cancel();
+  }
 }
 
 const blocks = (...groups) => groups.map((ids) => ({ block_ids: ids }));
 
-module.exports = { KvsvcClient, KvsvcError, toKvsvcError, blocks, loadService, PROTO_ROOT };
+module.exports = { KvsvcClient, TransferChannel, KvsvcError, toKvsvcError, blocks, loadService, PROTO_ROOT };

@@ -261,3 +261,41 @@ async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypat
             assert not channel.is_open
             pe.close()
             de.close()
+
+
+async def test_grpcurl_runs_transfers_on_the_stream():
+    """From any language: the real grpcurl binary, JSON in and out, one message per transfer."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from google.protobuf.json_format import MessageToDict
+
+    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    with servers(1, 1, SMALL) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([[1]])
+            s.pe.fill([[2]])  # each the first block of its request
+            pubs = [await s.pc.publish_blocks(f"g{i}", [[1 + i]]) for i in range(2)]
+            messages = [{"transfers": [{"request": {
+                "request_id": f"d-g{i}", "params": MessageToDict(pubs[i].params, preserving_proto_field_name=True),
+                "local_block_ids_per_group": [{"block_ids": [30 + i]}]}, "timeout_ms": 30000}]} for i in range(2)]
+            messages.append({"transfers": [{"request": {"request_id": "d-bad"}}]})  # no params: its own error
+            proc = await asyncio.create_subprocess_exec(
+                grpcurl, "-plaintext", "-d", "@", d.address, "kvsvc.v1.KvTransferService/TransferStream",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate("\n".join(map(json.dumps, messages)).encode()), 60)
+            assert proc.returncode == 0, err.decode()
+            decoder = json.JSONDecoder()
+            text, answers = out.decode(), []
+            while text.strip():  # grpcurl prints one JSON object per response message
+                obj, end = decoder.raw_decode(text.lstrip())
+                answers += obj["answers"]
+                text = text.lstrip()[end:]
+            by_id = {a["request_id"]: a for a in answers}
+            assert set(by_id) == {"d-g0", "d-g1", "d-bad"}
+            for i in range(2):
+                assert int(by_id[f"d-g{i}"]["response"]["total_bytes"]) > 0
+            assert not s.de.check([[30]]) and not s.de.check([[31]])
+            assert "error_status" in by_id["d-bad"]

@@ -1,6 +1,7 @@
 'use strict';
 // Drive a live prefill/decode server pair from Node.js: GetInfo, PublishBlocks,
-// PlanTransfer, Transfer, WaitTransfer, then a LEASE_EXPIRED case. Prints one JSON summary line.
+// PlanTransfer, Transfer, WaitTransfer, then a LEASE_EXPIRED case, then transfers on a
+// TransferStream. Prints one JSON summary line.
 //   node examples/transfer.js PREFILL_ADDR DECODE_ADDR P_BLOCKS D_BLOCKS   (blocks comma-separated)
 
 const { KvsvcClient, blocks } = require('..');
@@ -26,7 +27,19 @@ async function main() {
     } catch (err) {
       expired = { code: err.code, reason: err.reason, metadata: err.metadata };
     }
+    // Two more on one TransferStream, and a third whose lease was consumed already: its own error.
+    const channel = d.transferChannel();
+    const pubs = [await p.publishBlocks({ request_id: 'node-req-2', block_ids_per_group: blocks(pBlocks) }),
+      await p.publishBlocks({ request_id: 'node-req-3', block_ids_per_group: blocks(pBlocks) })];
+    const onStream = await Promise.allSettled([
+      channel.transfer({ request_id: 'node-s-2', params: pubs[0].params, local_block_ids_per_group: blocks(dBlocks) }),
+      channel.transfer({ request_id: 'node-s-3', params: pubs[1].params, local_block_ids_per_group: blocks(dBlocks) }),
+      channel.transfer({ request_id: 'node-s-4', params: pub.params, local_block_ids_per_group: blocks(dBlocks) }),
+    ]);
+    channel.close();
     console.log(JSON.stringify({
+      stream: onStream.map((r) => (r.status === 'fulfilled' ? { total_bytes: r.value.total_bytes }
+        : { code: r.reason.code, reason: r.reason.reason })),
       prefill: { engine_id: pInfo.engine_id, tp_size: pInfo.tp_size, epoch: pInfo.epoch },
       decode: { engine_id: dInfo.engine_id, tp_size: dInfo.tp_size },
       lease_epoch: pub.params.remote_epoch,
