@@ -48,6 +48,9 @@ HEADER_BYTES = 4
 SOCKET_DIR_PREFIX = "kvsvc-"
 SOCKET_NAME = "lease.sock"
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+# Bytes written to the lease socket and not yet taken by P past which the connection
+# counts as broken (at ~100 bytes a call: tens of thousands of unanswered calls).
+MAX_UNSENT_BYTES = 4 << 20
 
 
 def frame(msg: pb.LeaseChannelRequest | pb.LeaseChannelResponse) -> bytes:
@@ -73,8 +76,13 @@ class _StreamEnded(Exception):
 
 class _Stream:
     """One open LeaseChannel call: calls waiting for answers, and a reader that hands answers
-    to their callers. Whoever submits while no write is in flight writes, and keeps writing
-    what others queued meanwhile, a message at a time (no writer task: no extra hop)."""
+    to their callers.
+
+    On the gRPC stream, whoever submits while no write is in flight writes, and keeps
+    writing what others queued meanwhile, a message at a time (no writer task: no extra
+    hop), and a reader task takes the answers. The lease socket writes at once (its writes
+    never wait) and hands each answer over inside the callback that received it.
+    """
 
     def __init__(self, call: Any) -> None:
         self.call = call
@@ -82,13 +90,23 @@ class _Stream:
         self.queue: list[pb.LeaseCall] = []
         self.writing = False
         self.ended = False
-        self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-lease-channel")
+        self.reader: asyncio.Task[None] | None = None
+        if isinstance(call, _SocketCall):
+            call.attach(self._deliver, self._end)
+        else:
+            self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-lease-channel")
 
     async def submit(self, call: pb.LeaseCall, fut: asyncio.Future[pb.LeaseAnswer]) -> None:
         if self.ended:
             fut.set_exception(_StreamEnded(None))
             return
         self.pending[call.call_id] = fut
+        if isinstance(self.call, _SocketCall):
+            try:
+                self.call.write_now(pb.LeaseChannelRequest(calls=[call]))
+            except Exception as e:
+                self._end(Unavailable("UNAVAILABLE", f"the lease socket write failed: {type(e).__name__}: {e}"))
+            return
         self.queue.append(call)
         if self.writing:
             return  # the write in flight sends it next
@@ -106,22 +124,23 @@ class _Stream:
         finally:
             self.writing = False
 
+    def _deliver(self, resp: pb.LeaseChannelResponse) -> None:
+        for answer in resp.answers:
+            fut = self.pending.pop(answer.call_id, None)
+            if fut is None or fut.done():
+                continue  # its caller gave up (deadline, cancellation)
+            if answer.WhichOneof("result") == "error_status":
+                fut.set_exception(_decode_error(answer.error_status))
+            else:
+                fut.set_result(answer)
+
     async def _read(self) -> None:
         error: KvsvcError | None = None
         try:
             async for resp in self.call:
-                for answer in resp.answers:
-                    fut = self.pending.pop(answer.call_id, None)
-                    if fut is None or fut.done():
-                        continue  # its caller gave up (deadline, cancellation)
-                    if answer.WhichOneof("result") == "error_status":
-                        fut.set_exception(_decode_error(answer.error_status))
-                    else:
-                        fut.set_result(answer)
+                self._deliver(resp)
         except grpc.aio.AioRpcError as e:
             error = error_from_rpc(e)
-        except KvsvcError as e:  # the socket carrier's end
-            error = e
         except asyncio.CancelledError:
             error = Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed")
         finally:
@@ -141,38 +160,79 @@ class _Stream:
 
     async def close(self) -> None:
         self._end(Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed"))
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
 
 
-class _SocketCall:
-    """The lease socket, dressed as the gRPC stream call _Stream drives: write(), async
-    iteration over answers, cancel()."""
+class _SocketCall(asyncio.Protocol):
+    """The lease socket's connection: write_now() (a write that never waits), answers
+    handed to the stream as they arrive, cancel(). Nothing waits for the socket to drain:
+    every call has its own deadline, and a P that stops reading while unsent bytes pile up
+    past MAX_UNSENT_BYTES counts as broken (its calls fail over, as for any break)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_bytes: int) -> None:
-        self._reader, self._writer, self._max_bytes = reader, writer, max_bytes
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._on_answer: Callable[[pb.LeaseChannelResponse], None] | None = None
+        self._on_end: Callable[[KvsvcError | None], None] | None = None
+        self._lost: KvsvcError | None = None
+        self._closed = False
 
-    async def write(self, msg: pb.LeaseChannelRequest) -> None:
-        self._writer.write(frame(msg))
-        await self._writer.drain()
+    def attach(self, on_answer: Callable[[pb.LeaseChannelResponse], None],
+               on_end: Callable[[KvsvcError | None], None]) -> None:
+        self._on_answer, self._on_end = on_answer, on_end
+        if self._closed:
+            on_end(self._lost)
 
-    def __aiter__(self) -> Any:
-        return self._answers()
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
 
-    async def _answers(self) -> Any:
-        while True:
+    def write_now(self, msg: pb.LeaseChannelRequest) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the lease socket is closed")
+        transport.write(frame(msg))
+        backlog = transport.get_write_buffer_size()
+        if backlog > MAX_UNSENT_BYTES:
+            raise ConnectionResetError(f"{backlog} bytes unsent: the P server stopped reading")
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        while len(buf) >= HEADER_BYTES:
+            size = int.from_bytes(buf[:HEADER_BYTES], "little")
+            if size > self._max_bytes:
+                return self._fail(f"the lease socket sent a {size}-byte frame")
+            if len(buf) < HEADER_BYTES + size:
+                return
             try:
-                size = int.from_bytes(await self._reader.readexactly(HEADER_BYTES), "little")
-                if size > self._max_bytes:
-                    raise Unavailable("UNAVAILABLE", f"the lease socket sent a {size}-byte frame")
-                yield pb.LeaseChannelResponse.FromString(await self._reader.readexactly(size))
-            except asyncio.IncompleteReadError:
-                return  # P closed it: the stream ended
-            except (OSError, DecodeError) as e:
-                raise Unavailable("UNAVAILABLE", f"the lease socket broke: {type(e).__name__}") from None
+                resp = pb.LeaseChannelResponse.FromString(bytes(buf[HEADER_BYTES:HEADER_BYTES + size]))
+            except DecodeError:
+                return self._fail("the lease socket broke: DecodeError")
+            del buf[:HEADER_BYTES + size]
+            if self._on_answer is not None:
+                self._on_answer(resp)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # P closed it (a stream that ended) or it broke: the stream's calls are retried once.
+        self._ended(Unavailable("UNAVAILABLE", f"the lease socket broke: {type(exc).__name__}") if exc else None)
+
+    def _fail(self, why: str) -> None:
+        self._ended(Unavailable("UNAVAILABLE", why))
+        self.cancel()
+
+    def _ended(self, error: KvsvcError | None) -> None:
+        if self._closed:
+            return
+        self._closed, self._lost = True, error
+        if self._on_end is not None:
+            self._on_end(error)
 
     def cancel(self) -> None:
-        self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
 
 
 def _decode_error(data: bytes) -> KvsvcError:
@@ -279,8 +339,9 @@ class LeaseChannel:
             call: Any = None
             if self._socket_path:
                 try:
-                    reader, writer = await asyncio.open_unix_connection(self._socket_path)
-                    call = _SocketCall(reader, writer, self._client.options.max_message_bytes)
+                    max_bytes = self._client.options.max_message_bytes
+                    _, call = await asyncio.get_running_loop().create_unix_connection(
+                        lambda: _SocketCall(max_bytes), self._socket_path)
                 except OSError as e:
                     log.info("lease socket %s of %s unusable (%s): lease calls go over gRPC", self._socket_path,
                              self.address, e)
