@@ -15,6 +15,8 @@ import socket
 import stat
 import time
 
+import pytest
+
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.client.lease_channel import usable_socket_path
@@ -230,3 +232,58 @@ def test_only_stale_kvsvc_socket_directories_go(tmp_path):
     assert remove_stale_dirs(str(tmp_path)) == 2
     assert not os.path.exists(stale) and not os.path.exists(empty)
     assert all(os.path.exists(p) for p in (other_file, bad_name, wide_mode, fresh))
+
+
+async def test_frames_split_anywhere_or_sent_together_are_all_answered_in_order():
+    """P reads frames out of whatever the socket delivers: one byte at a time, or several
+    frames in one write; each gets its answer, in order."""
+    async with in_process_pair("ls") as (p, _d):
+        assert p.lease_socket is not None
+        calls = [pb.LeaseCall(call_id=i, notify=pb.NotifyRequest(
+            request_id=f"nobody-{i}", kind=pb.NOTIFY_KIND_HEARTBEAT, engine_id="x", tp_size=1)) for i in range(1, 7)]
+        payload = b"".join(framed(pb.LeaseChannelRequest(calls=[c])) for c in calls[:3])  # three frames at once
+        reader, writer = await asyncio.open_unix_connection(p.lease_socket.path)
+        try:
+            writer.write(payload)
+            for c in calls[3:]:  # then three more, a byte at a time
+                for byte in framed(pb.LeaseChannelRequest(calls=[c])):
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(0)
+            got = []
+            while len(got) < len(calls):
+                size = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 5), "little")
+                got += pb.LeaseChannelResponse.FromString(await reader.readexactly(size)).answers
+            assert [a.call_id for a in got] == [c.call_id for c in calls]
+            assert all(a.WhichOneof("result") in ("notify", "error_status") for a in got)
+        finally:
+            writer.close()
+
+
+def test_a_p_server_that_stops_reading_breaks_the_socket_past_the_bound():
+    """D never waits for the lease socket to drain; unsent bytes past MAX_UNSENT_BYTES end it."""
+    from kvsvc.client import lease_channel as lc
+
+    class StuckTransport:
+        def __init__(self) -> None:
+            self.buffered = 0
+
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            self.buffered += len(data)
+
+        def get_write_buffer_size(self) -> int:
+            return self.buffered
+
+    call = lc._SocketCall(1 << 20)
+    transport = StuckTransport()
+    call.connection_made(transport)  # type: ignore[arg-type]
+    msg = pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=1, notify=pb.NotifyRequest(request_id="r" * 200))])
+    sent = 0
+    with pytest.raises(ConnectionResetError):
+        while sent < 10 * lc.MAX_UNSENT_BYTES:
+            call.write_now(msg)
+            sent += 1
+    assert lc.MAX_UNSENT_BYTES < transport.buffered <= lc.MAX_UNSENT_BYTES + 1024
