@@ -101,15 +101,13 @@ class _Stream:
             fut.set_exception(_StreamEnded(None))
             return
         self.pending[call.call_id] = fut
-        if isinstance(self.call, _SocketCall):
-            try:
-                self.call.write_now(pb.LeaseChannelRequest(calls=[call]))
-            except Exception as e:
-                self._end(Unavailable("UNAVAILABLE", f"the lease socket write failed: {type(e).__name__}: {e}"))
-            return
         self.queue.append(call)
         if self.writing:
-            return  # the write in flight sends it next
+            return  # the write in flight (or the flush at the end of this loop turn) sends it
+        if isinstance(self.call, _SocketCall):
+            self.writing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+            return
         self.writing = True
         try:
             while self.queue and not self.ended:
@@ -123,6 +121,20 @@ class _Stream:
                 raise
         finally:
             self.writing = False
+
+    def _flush(self) -> None:
+        """The lease socket's write of the calls made in this loop turn, as one message (a
+        callback: no caller's cancellation can cut a message in two)."""
+        self.writing = False
+        if self.ended or not self.queue:
+            return
+        assert isinstance(self.call, _SocketCall)
+        try:
+            while self.queue:
+                batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
+                self.call.write_now(pb.LeaseChannelRequest(calls=batch))
+        except Exception as e:
+            self._end(Unavailable("UNAVAILABLE", f"the lease socket write failed: {type(e).__name__}: {e}"))
 
     def _deliver(self, resp: pb.LeaseChannelResponse) -> None:
         for answer in resp.answers:
