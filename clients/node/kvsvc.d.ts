@@ -67,7 +67,7 @@ export class KvsvcClient {
   listLeases(request?: { limit?: number; request_id_prefix?: string }, options?: CallOptions): Promise<Record<string, unknown>>;
   watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
   // Transfers as messages on one TransferStream (what an engine that runs many uses).
-  transferChannel(): TransferChannel;
+  transferStream(): TransferChannel;
   close(): void;
 }
 

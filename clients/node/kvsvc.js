@@ -164,7 +164,7 @@ class KvsvcClient {
 
   // Transfers as messages on one TransferStream (what an engine that runs many uses):
   // .transfer(request, {timeoutMs}) as the unary call, .close() when done.
-  transferChannel() { return new TransferChannel(this); }
+  transferStream() { return new TransferChannel(this); }
 
   close() { this.raw.close(); }
 }

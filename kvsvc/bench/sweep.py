@@ -110,7 +110,7 @@ async def target(args: argparse.Namespace, num_blocks: int) -> AsyncIterator[Tar
     opts = client_options(args)
     try:
         async with AsyncClient(p_addr, opts) as pc, AsyncClient(d_addr, opts) as dc:
-            t = Target(pc, dc, await pc.get_info(), await dc.get_info(), dc.transfer_channel())
+            t = Target(pc, dc, await pc.get_info(), await dc.get_info(), dc.transfer_stream())
             if started:
                 t.pids = {"prefill": started[0].proc.pid, "decode": started[1].proc.pid, "client": os.getpid()}
             t.p_pool, t.d_pool = _attach(t.p_info), _attach(t.d_info)

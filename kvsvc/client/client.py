@@ -192,7 +192,7 @@ class AsyncClient:
         return await self._call(self._stub.Transfer, req, timeout_s,  # type: ignore[no-any-return]
                                 traceparent=traceparent)
 
-    def transfer_channel(self) -> TransferChannel:
+    def transfer_stream(self) -> TransferChannel:
         """Transfers over one TransferStream (what an engine that runs many uses; a
         message each instead of a call each): .transfer() as here, .close() when done."""
         from kvsvc.client.transfer_stream import TransferChannel
@@ -356,6 +356,11 @@ class Client:
         """The blocking twin of AsyncClient.lease_channel()."""
         return SyncLeaseChannel(self._run, self._async.lease_channel())
 
+    def transfer_stream(self) -> SyncTransferChannel:
+        """The blocking twin of AsyncClient.transfer_stream() (a blocking caller waits for
+        each transfer; run several from threads to have them share the stream)."""
+        return SyncTransferChannel(self._run, self._async.transfer_stream())
+
     def wait_transfer(self, request_id: str, *, wait_ms: int = 30_000,
                       timeout_s: float | None = None) -> pb.WaitTransferResponse:
         return self._run(self._async.wait_transfer(request_id, wait_ms=wait_ms, timeout_s=timeout_s))
@@ -398,6 +403,22 @@ class SyncLeaseChannel:
     def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
                traceparent: str = "") -> pb.NotifyResponse:
         return self._run(self._channel.notify(request, timeout_s=timeout_s, traceparent=traceparent))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._run(self._channel.close())
+
+
+class SyncTransferChannel:
+    """A TransferChannel driven by a Client's event loop: blocking transfer / close."""
+
+    def __init__(self, run: Callable[[Coroutine[Any, Any, Any]], Any], channel: TransferChannel) -> None:
+        self._run, self._channel = run, channel
+
+    def transfer(self, request_id: str, params: pb.TransferParams,
+                 local_block_ids_per_group: Sequence[Sequence[int]], *,
+                 timeout_s: float | None = None) -> pb.TransferResponse:
+        return self._run(self._channel.transfer(  # type: ignore[no-any-return]
+            request_id, params, local_block_ids_per_group, timeout_s=timeout_s))
 
     def close(self) -> None:
         self._run(self._channel.close())

@@ -51,7 +51,7 @@ async def live_leases_reach_zero(pc: AsyncClient) -> int:
 async def test_many_transfers_on_one_stream_move_the_right_bytes():
     with servers(1, 1, SMALL) as (p, d):
         async with session(p, d) as s:
-            channel = s.dc.transfer_channel()
+            channel = s.dc.transfer_stream()
             pm, dm = s.pe.mem[0], s.de.mem[0]
             for b in range(32):
                 stamp(pm, [b], 100 + b)
@@ -71,7 +71,7 @@ async def test_many_transfers_on_one_stream_move_the_right_bytes():
 async def test_a_transfers_error_is_its_answer_as_in_unary_and_the_stream_goes_on():
     with servers(1, 1, SMALL) as (p, d):
         async with session(p, d) as s:
-            channel = s.dc.transfer_channel()
+            channel = s.dc.transfer_stream()
             pub = await s.pc.publish_blocks("good", [[1]])
             forged = pb.TransferParams()
             forged.CopyFrom(pub.params)
@@ -98,7 +98,7 @@ async def test_a_cancelled_caller_gives_the_transfer_up_settled_and_frees_the_le
     is reported settled nothing writes into its blocks, and P's leases all end."""
     with servers(1, 1, BIG) as (p, d):
         async with session(p, d) as s:
-            channel = s.dc.transfer_channel()
+            channel = s.dc.transfer_stream()
             pm, dm = s.pe.mem[0], s.de.mem[0]
             stamp(pm, list(range(64)), 7)
             rng = random.Random(11)
@@ -179,7 +179,7 @@ async def test_a_stream_that_ends_gives_up_its_transfers():
 async def test_hostile_messages_end_only_their_own_stream():
     with servers(1, 1, SMALL) as (p, d):
         async with session(p, d) as s:
-            bystander = s.dc.transfer_channel()
+            bystander = s.dc.transfer_stream()
             await bystander.transfer("warm", (await s.pc.publish_blocks("w", [[1]])).params, [[1]], timeout_s=30)
 
             # Too many transfers in one message: the stream ends INVALID_ARGUMENT, naming the limit.
@@ -243,7 +243,7 @@ async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypat
             monkeypatch.setattr(d.decoder, "_run", held)
             pe.fill([[1]])
             pub = await pc.publish_blocks("held", [[1]])
-            channel = dc.transfer_channel()
+            channel = dc.transfer_stream()
             first = asyncio.ensure_future(channel.transfer("d-held", pub.params, [[2]], timeout_s=30))
             while not d.decoder.jobs.running:
                 await asyncio.sleep(0.01)
@@ -299,3 +299,18 @@ async def test_grpcurl_runs_transfers_on_the_stream():
                 assert int(by_id[f"d-g{i}"]["response"]["total_bytes"]) > 0
             assert not s.de.check([[30]]) and not s.de.check([[31]])
             assert "error_status" in by_id["d-bad"]
+
+
+def test_the_blocking_client_runs_transfers_on_the_stream():
+    from kvsvc.client import Client
+
+    with servers(1, 1, SMALL) as (p, d):
+        with Client(p.address) as pc, Client(d.address) as dc:
+            pubs = [pc.publish_blocks(f"sync{i}", [[i + 1]]) for i in range(3)]
+            channel = dc.transfer_stream()
+            resps = [channel.transfer(f"d-sync{i}", pubs[i].params, [[40 + i]], timeout_s=30) for i in range(3)]
+            assert all(r.total_bytes == resps[0].total_bytes > 0 for r in resps)
+            with pytest.raises(KvsvcError) as e:  # the consumed lease's own error, as unary
+                channel.transfer("d-sync-again", pubs[0].params, [[45]], timeout_s=30)
+            assert e.value.reason == "LEASE_EXPIRED"
+            channel.close()

@@ -28,7 +28,7 @@ async function main() {
       expired = { code: err.code, reason: err.reason, metadata: err.metadata };
     }
     // Two more on one TransferStream, and a third whose lease was consumed already: its own error.
-    const channel = d.transferChannel();
+    const channel = d.transferStream();
     const pubs = [await p.publishBlocks({ request_id: 'node-req-2', block_ids_per_group: blocks(pBlocks) }),
       await p.publishBlocks({ request_id: 'node-req-3', block_ids_per_group: blocks(pBlocks) })];
     const onStream = await Promise.allSettled([

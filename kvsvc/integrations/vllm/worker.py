@@ -165,7 +165,7 @@ class KvsvcWorker:
         try:
             params = kvparams.from_vllm(recv.params)
             if self._transfers is None:
-                self._transfers = self._client.transfer_channel()
+                self._transfers = self._client.transfer_stream()
             return await self._transfers.transfer(req_id, params, recv.local_block_ids, timeout_s=TRANSFER_TIMEOUT_S)
         except BaseException as e:
             # vLLM frees (and may reuse) the request's blocks once told it ended: tell it only
