@@ -58,7 +58,7 @@ from kvsvc.service.node import Node
 from kvsvc.service.peers import PeerCache, RemoteRank, peer_client_options
 from kvsvc.service.stacks import await_chain
 from kvsvc.service.tracing import Clock, mark_error, record_phases, record_span, server_span, traceparent
-from kvsvc.service.transfers import TransferJobs, fingerprint
+from kvsvc.service.transfers import Job, TransferJobs, fingerprint
 from kvsvc.transport.nixl_thread import InFlight, TransferError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -157,6 +157,11 @@ async def _claim_refusal(claimed: asyncio.Future[None], timeout_s: float) -> Cla
     return None
 
 
+def _cancel_unwanted(job: Job) -> None:
+    if job.waiters == 0 and job.task is not None and not job.task.done():
+        job.task.cancel()
+
+
 def _log_overdue(request_id: str, task: asyncio.Task[Any]) -> None:
     if not task.done():
         log.error("transfer %s is past its deadline and still running: %s", request_id, await_chain(task))
@@ -213,6 +218,22 @@ class Decoder:
         A caller that goes away cancels the job unless another caller (a retry) still
         waits for it; the job then settles its READs and tells P to let go.
         """
+        job = self.join(req, time_remaining_s, trace_ctx)
+        assert job.task is not None
+        try:
+            await asyncio.shield(job.task)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this caller was cancelled, not the job
+        finally:
+            self.leave(job)
+        return self.outcome(job)
+
+    def join(self, req: pb.TransferRequest, time_remaining_s: float | None,
+             trace_ctx: Context | None = None) -> Job:
+        """Check req and start (or join) its job, counted as one more caller waiting for it
+        until leave(); raises what the request's checks raise."""
         node = self.node
         node.require_role(Role.DECODE, "Transfer")
         node.require_data_plane("Transfer")
@@ -224,22 +245,32 @@ class Decoder:
                                    {"engine_id": req.params.remote_engine_id})
         deadline = _deadline(time_remaining_s)
         job = self.jobs.start_or_join(req.request_id, fingerprint(req), lambda: self._measured(req, deadline, trace_ctx))
-        assert job.task is not None
         job.waiters += 1
-        try:
-            return await asyncio.shield(job.task)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if job.task.cancelled() and not (task is not None and task.cancelling()):
-                # A retry joined a transfer whose first caller gave up: say so, typed and settled.
-                raise KvsvcError("TRANSFER_CANCELLED", f"request {req.request_id!r} was cancelled by an earlier "
-                                 "caller; use a new request id to try again", {"request_id": req.request_id},
-                                 code=ErrorCode.CANCELLED, details=[pb.TransferFailure()]) from None
-            raise
-        finally:
-            job.waiters -= 1
-            if job.waiters == 0 and not job.task.done():
-                job.task.cancel()  # nobody waits for it any more: abort, settle, free P's lease
+        return job
+
+    @staticmethod
+    def leave(job: Job) -> None:
+        """A caller stops waiting for job; the last one to go cancels it if it still runs (it
+        then settles its READs and tells P to let go).
+
+        The cancel is sent after the job's first step (queued when it was made): a task
+        cancelled before it ran never runs its handlers, and P's lease would wait out its
+        TTL. A retry that joins meanwhile keeps the job.
+        """
+        job.waiters -= 1
+        if job.waiters == 0:
+            asyncio.get_running_loop().call_soon(_cancel_unwanted, job)
+
+    @staticmethod
+    def outcome(job: Job) -> pb.TransferResponse:
+        """A finished job's response, or the error it ended with."""
+        assert job.task is not None and job.task.done()
+        if job.task.cancelled():
+            # A retry joined a transfer whose first caller gave up: say so, typed and settled.
+            raise KvsvcError("TRANSFER_CANCELLED", f"request {job.request_id!r} was cancelled by an earlier "
+                             "caller; use a new request id to try again", {"request_id": job.request_id},
+                             code=ErrorCode.CANCELLED, details=[pb.TransferFailure()])
+        return job.task.result()
 
     async def given_up(self, request_id: str) -> bool:
         """After a caller gave up waiting for request_id's transfer: wait until nothing of it

@@ -29,6 +29,7 @@ from kvsvc.limits import MAX_STREAM_CALLS, MAX_STREAM_TRANSFERS, check_count, cl
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, to_status
 from kvsvc.service.tracing import context_from_traceparent
+from kvsvc.service.transfers import Job
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -39,15 +40,19 @@ def _error_answer(request_id: str, err: KvsvcError) -> pb.TransferAnswer:
 
 
 class TransferStreamSession:
-    """One open TransferStream: its running transfers and the answers not yet sent."""
+    """One open TransferStream: its running transfers and the answers not yet sent.
+
+    A transfer here is its Decoder job, joined as one more caller (Decoder.join) and
+    answered from the job's done callback: no task of its own, no await per transfer.
+    """
 
     def __init__(self, decoder: Decoder, time_remaining_s: float | None) -> None:
         self._decoder = decoder
         self._loop = asyncio.get_running_loop()
         # The stream's own deadline (monotonic, loop time), if its caller set one.
         self._deadline = None if time_remaining_s is None else self._loop.time() + time_remaining_s
-        self._running: dict[str, asyncio.Task[None]] = {}
-        self._cancel_asked: set[str] = set()
+        self._running: dict[str, Job] = {}
+        self._giving_up: set[asyncio.Task[None]] = set()  # transfers given up, answered once settled
         self._answers: list[pb.TransferAnswer] = []
         self._wake = asyncio.Event()
         self.closing = False
@@ -67,7 +72,7 @@ class TransferStreamSession:
             while True:
                 if not self._answers:
                     if reader.done() or self.closing:
-                        if not self._running:
+                        if not self._running and not self._giving_up:
                             break
                         if reader.done() and reader.exception() is not None:
                             break
@@ -82,9 +87,13 @@ class TransferStreamSession:
                     raise error
         finally:
             reader.cancel()
-            for task in self._running.values():
-                task.cancel()  # the caller is gone: give these up as a unary caller going away does
-            await asyncio.gather(reader, *self._running.values(), return_exceptions=True)
+            # The caller is gone: give these up as a unary caller going away does.
+            running, self._running = list(self._running.values()), {}
+            for job in running:
+                self._decoder.leave(job)
+            for task in self._giving_up:
+                task.cancel()
+            await asyncio.gather(reader, *self._giving_up, return_exceptions=True)
 
     async def _read(self, requests: AsyncIterator[Any]) -> None:
         async for msg in requests:
@@ -95,37 +104,30 @@ class TransferStreamSession:
             for call in msg.transfers:
                 self._start(call)
             for request_id in msg.cancel_request_ids:
-                task = self._running.get(request_id)
-                if task is not None and request_id not in self._cancel_asked:
-                    self._cancel_asked.add(request_id)
-                    # After the task's first step (queued when it was made, in this very
-                    # message perhaps): a task cancelled before it ran never runs its handlers.
-                    self._loop.call_soon(task.cancel)
+                self._give_up(request_id)
 
     def _start(self, call: pb.TransferCall) -> None:
         request_id = call.request.request_id
         if self.closing:
-            self._answer(_error_answer(request_id, Unavailable(
+            return self._answer(_error_answer(request_id, Unavailable(
                 "SHUTTING_DOWN", "this server is shutting down and starts no transfer")))
-        elif request_id in self._running:
-            self._answer(_error_answer(request_id, KvsvcError(
+        if request_id in self._running:
+            return self._answer(_error_answer(request_id, KvsvcError(
                 "TRANSFER_ON_STREAM", f"request {clip(request_id, 64)!r} is already running on this stream; "
                 "wait for its answer", {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)))
-        elif len(self._running) >= MAX_STREAM_TRANSFERS:
-            self._answer(_error_answer(request_id, KvsvcError(
+        if len(self._running) >= MAX_STREAM_TRANSFERS:
+            return self._answer(_error_answer(request_id, KvsvcError(
                 "TOO_MANY_TRANSFERS", f"{len(self._running)} transfers already run on this stream (the limit)",
                 {"limit": MAX_STREAM_TRANSFERS}, code=ErrorCode.RESOURCE_EXHAUSTED)))
-        else:
-            task = self._loop.create_task(self._run(call), name="kvsvc-stream-transfer")
-            self._running[request_id] = task
-            task.add_done_callback(lambda t: self._ended(request_id, t))
-
-    def _ended(self, request_id: str, task: asyncio.Task[None]) -> None:
-        """A transfer's task is done (answered, or given up with the stream): forget it."""
-        if self._running.get(request_id) is task:
-            del self._running[request_id]
-            self._cancel_asked.discard(request_id)
-            self._wake.set()
+        try:
+            trace_ctx = context_from_traceparent(call.traceparent) if call.traceparent else None
+            job = self._decoder.join(call.request, self._time_remaining(call), trace_ctx)
+        except KvsvcError as e:
+            log.info("TransferStream transfer %s failed: %s", clip(request_id, 64), clip(str(e), 300))
+            return self._answer(_error_answer(request_id, e))
+        assert job.task is not None
+        self._running[request_id] = job
+        job.task.add_done_callback(lambda _t: self._finished(request_id, job))
 
     def _time_remaining(self, call: pb.TransferCall) -> float | None:
         """The transfer's own deadline or the stream's, whichever is sooner (None: neither)."""
@@ -135,32 +137,44 @@ class TransferStreamSession:
         stream = max(0.0, self._deadline - self._loop.time())
         return stream if own is None else min(own, stream)
 
-    async def _run(self, call: pb.TransferCall) -> None:
-        request_id = call.request.request_id
+    def _finished(self, request_id: str, job: Job) -> None:
+        """The job ended while this stream still waited for it: its answer."""
+        if self._running.get(request_id) is not job:
+            return  # given up meanwhile (answered elsewhere, or the stream ended)
+        del self._running[request_id]
+        self._decoder.leave(job)
         try:
-            trace_ctx = context_from_traceparent(call.traceparent) if call.traceparent else None
-            resp = await self._decoder.transfer(call.request, self._time_remaining(call), trace_ctx)
-            answer = pb.TransferAnswer(request_id=request_id, response=resp)
-        except asyncio.CancelledError:
-            if request_id not in self._cancel_asked:
-                raise  # the stream ended: there is nobody to answer
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            settled = await self._decoder.given_up(request_id)
-            answer = _error_answer(request_id, KvsvcError(
-                "TRANSFER_CANCELLED", f"request {clip(request_id, 64)!r} was given up on this stream" + (
-                    "" if settled else "; another caller still waits for it (WaitTransfer tells when it settled)"),
-                {"request_id": request_id}, code=ErrorCode.CANCELLED,
-                details=[pb.TransferFailure()] if settled else []))
+            answer = pb.TransferAnswer(request_id=request_id, response=self._decoder.outcome(job))
         except KvsvcError as e:
             log.info("TransferStream transfer %s failed: %s", clip(request_id, 64), clip(str(e), 300))
             answer = _error_answer(request_id, e)
         except Exception as e:  # a bug: answer INTERNAL for this transfer, keep the stream
-            log.exception("TransferStream transfer %s crashed", clip(request_id, 64))
+            log.error("TransferStream transfer %s crashed", clip(request_id, 64), exc_info=e)
             answer = _error_answer(request_id, KvsvcError(
                 "INTERNAL", f"internal error in TransferStream: {type(e).__name__}: {e}"))
         self._answer(answer)
+
+    def _give_up(self, request_id: str) -> None:
+        """cancel_request_ids: stop waiting for the transfer; answer CANCELLED once it settled."""
+        job = self._running.pop(request_id, None)
+        if job is None:
+            return  # not running on this stream (answered already, or never started here)
+        self._decoder.leave(job)
+        task = self._loop.create_task(self._answer_given_up(request_id))
+        self._giving_up.add(task)
+        task.add_done_callback(self._given_up_done)
+
+    def _given_up_done(self, task: asyncio.Task[None]) -> None:
+        self._giving_up.discard(task)
+        self._wake.set()
+
+    async def _answer_given_up(self, request_id: str) -> None:
+        settled = await self._decoder.given_up(request_id)
+        self._answer(_error_answer(request_id, KvsvcError(
+            "TRANSFER_CANCELLED", f"request {clip(request_id, 64)!r} was given up on this stream" + (
+                "" if settled else "; another caller still waits for it (WaitTransfer tells when it settled)"),
+            {"request_id": request_id}, code=ErrorCode.CANCELLED,
+            details=[pb.TransferFailure()] if settled else [])))
 
     def _answer(self, answer: pb.TransferAnswer) -> None:
         self._answers.append(answer)

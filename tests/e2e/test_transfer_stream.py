@@ -314,3 +314,22 @@ def test_the_blocking_client_runs_transfers_on_the_stream():
                 channel.transfer("d-sync-again", pubs[0].params, [[45]], timeout_s=30)
             assert e.value.reason == "LEASE_EXPIRED"
             channel.close()
+
+
+async def test_a_transfer_given_up_before_its_job_ran_still_frees_the_lease():
+    """The last caller going away in the very turn the job was made (a unary caller cancelled
+    at once, a stream's start and cancel in one message): the job still runs its give-up
+    path, so P's lease is aborted now, not left to its TTL."""
+    async with in_process_pair("gu") as (p, d):
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc:
+            pub = await pc.publish_blocks("early", [[1]], lease_ttl_ms=600_000)
+            req = pb.TransferRequest(request_id="d-early", params=pub.params,
+                                     local_block_ids_per_group=[pb.BlockIds(block_ids=[2])])
+            job = d.decoder.join(req, 30.0)
+            d.decoder.leave(job)  # in the same turn: the job has not taken a step yet
+            assert job.task is not None
+            await asyncio.wait([job.task], timeout=30)
+            assert job.task.cancelled()
+            assert await live_leases_reach_zero(pc) == 0
+            state = await d.decoder.jobs.wait("d-early", 0)
+            assert state.state == pb.TRANSFER_STATE_FAILED
