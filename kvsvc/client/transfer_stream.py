@@ -115,12 +115,9 @@ class _Stream:
         self.call.cancel()
 
     async def close(self) -> None:
-        with_answers = self.writing or bool(self.pending)
         self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
-        if with_answers:
-            log.debug("a TransferStream closed with transfers unanswered")
 
 
 class TransferChannel:

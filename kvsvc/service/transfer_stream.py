@@ -3,8 +3,9 @@
 A unary Transfer pays a whole gRPC call on both sides; on a small host that was ~0.4 ms of
 the D server's CPU per transfer and ~0.45 ms of its round trip, more than the rest of a
 1-block transfer's own work. On a stream each transfer is a message. Every transfer still
-runs through Decoder.transfer -- the same checks, job, retries and errors as the unary
-call -- so the stream adds no rule of its own beyond the few below:
+joins its Decoder job as Decoder.transfer does (Decoder.join / leave / outcome) -- the
+same checks, job, retries and errors as the unary call -- so the stream adds no rule of
+its own beyond the few below:
 
 - a request id may run only once at a time on one stream (answers are matched by it);
 - at most MAX_STREAM_TRANSFERS run on one stream (the rest are answered
