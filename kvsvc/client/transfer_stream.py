@@ -207,7 +207,8 @@ class TransferChannel:
             return self._stream
 
     async def close(self) -> None:
-        """Close the stream: transfers still waiting on it are given up (on the server too)."""
+        """Close the stream: transfers still waiting on it are given up (on the server too,
+        which gives up every transfer of a stream that ends); later transfers go as unary calls."""
         self._closed = True
         if self._stream is not None:
             await self._stream.close()

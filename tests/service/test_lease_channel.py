@@ -253,3 +253,32 @@ def test_only_lease_socket_paths_of_kvsvcs_shape_are_used(path, ok):
     from kvsvc.client.lease_channel import usable_socket_path
 
     assert usable_socket_path(path) == (path if ok else "")
+
+
+async def test_a_server_without_transfer_stream_gets_unary_transfers():
+    """An older D server answers the TransferStream UNIMPLEMENTED: the client's channel goes
+    unary for good, and a transfer waiting on the stream is sent again as a call."""
+    seen: list[str] = []
+
+    async def unary_transfer(request, context):
+        seen.append(request.request_id)
+        return pb.TransferResponse(total_bytes=len(request.request_id))
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvsvc.v1.KvTransferService", {
+        "Transfer": grpc.unary_unary_rpc_method_handler(
+            unary_transfer, request_deserializer=pb.TransferRequest.FromString,
+            response_serializer=pb.TransferResponse.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            channel = client.transfer_stream()
+            params = pb.TransferParams(remote_address="127.0.0.1:1", remote_request_id="r")
+            first = await channel.transfer("d-one", params, [[1]], timeout_s=10)
+            second = await channel.transfer("d-three", params, [[1]], timeout_s=10)
+            assert (first.total_bytes, second.total_bytes) == (5, 7)
+            assert seen == ["d-one", "d-three"] and channel.streams_opened == 1 and not channel.is_open
+            await channel.close()
+    finally:
+        await server.stop(0)
