@@ -9,7 +9,9 @@ its own beyond the few below:
 
 - a request id may run only once at a time on one stream (answers are matched by it);
 - at most MAX_STREAM_TRANSFERS run on one stream (the rest are answered
-  RESOURCE_EXHAUSTED, the stream goes on);
+  RESOURCE_EXHAUSTED, the stream goes on), and a caller that sends but does not read
+  finds its stream ended (RESOURCE_EXHAUSTED) once MAX_UNREAD_ANSWERS answers wait for it:
+  what a stream holds is bounded whatever its caller does;
 - a message that does not parse or has too many calls ends the stream (nothing past it can
   be trusted), which gives up the stream's transfers like a caller going away;
 - a transfer given up by cancel_request_ids is answered CANCELLED once settled (see the
@@ -35,6 +37,9 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# Answers waiting for a caller that does not read them, past which its stream ends.
+MAX_UNREAD_ANSWERS = 2 * MAX_STREAM_TRANSFERS
+
 
 def _error_answer(request_id: str, err: KvsvcError) -> pb.TransferAnswer:
     return pb.TransferAnswer(request_id=request_id, error_status=to_status(err).SerializeToString())
@@ -55,6 +60,8 @@ class TransferStreamSession:
         self._running: dict[str, Job] = {}
         self._giving_up: set[asyncio.Task[None]] = set()  # transfers given up, answered once settled
         self._answers: list[pb.TransferAnswer] = []
+        self._overflow: KvsvcError | None = None
+        self._reader: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.closing = False
 
@@ -67,10 +74,12 @@ class TransferStreamSession:
         """The stream's answers, until its caller stopped sending and every transfer was
         answered (or until close()). Raises the KvsvcError of a message that cannot be
         trusted, after giving up every transfer of the stream."""
-        reader = self._loop.create_task(self._read(requests), name="kvsvc-transfer-stream")
+        reader = self._reader = self._loop.create_task(self._read(requests), name="kvsvc-transfer-stream")
         reader.add_done_callback(lambda _t: self._wake.set())
         try:
             while True:
+                if self._overflow is not None:
+                    raise self._overflow
                 if not self._answers:
                     if reader.done() or self.closing:
                         if not self._running and not self._giving_up:
@@ -178,5 +187,18 @@ class TransferStreamSession:
             details=[pb.TransferFailure()] if settled else [])))
 
     def _answer(self, answer: pb.TransferAnswer) -> None:
+        if self._overflow is not None:
+            return  # the stream is ending: its caller gets no more answers
+        if len(self._answers) >= MAX_UNREAD_ANSWERS:
+            # The caller sends but does not read (the answer being written waits on its flow
+            # control): take nothing more from it, and end the stream once it moves again.
+            self._overflow = KvsvcError(
+                "ANSWERS_UNREAD", f"{len(self._answers)} answers wait for this stream's caller, who does not read "
+                "them; the stream ends", {"limit": MAX_UNREAD_ANSWERS}, code=ErrorCode.RESOURCE_EXHAUSTED)
+            self._answers.clear()
+            if self._reader is not None:
+                self._reader.cancel()
+            self._wake.set()
+            return
         self._answers.append(answer)
         self._wake.set()

@@ -333,3 +333,4 @@ async def test_a_transfer_given_up_before_its_job_ran_still_frees_the_lease():
             assert await live_leases_reach_zero(pc) == 0
             state = await d.decoder.jobs.wait("d-early", 0)
             assert state.state == pb.TRANSFER_STATE_FAILED
+
