@@ -115,6 +115,10 @@ def test_a_request_aborted_on_d_before_its_transfer_gives_p_its_blocks_back(serv
             with pytest.raises(requests.Timeout):  # the client gives up before D scheduled it
                 requests.post(d.url + "/v1/completions", json=completion(PROMPTS[3], 8, kv_transfer_params=kv),
                               timeout=2)
+            # The abort goes from D's API server to its engine core on its own time; resumed
+            # before it arrived, D schedules the request and its transfer (a few ms) consumes
+            # the lease first: the case of the next test, not this one.
+            time.sleep(2)
         finally:
             d.post("/resume")
         got = releases.wait([kv["remote_request_id"]], timeout_s=60)
