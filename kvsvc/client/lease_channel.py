@@ -58,6 +58,21 @@ def frame(msg: pb.LeaseChannelRequest | pb.LeaseChannelResponse) -> bytes:
     return len(data).to_bytes(HEADER_BYTES, "little") + data
 
 
+def split_frames(buf: bytearray, max_bytes: int) -> tuple[list[bytes], int]:
+    """The whole frames at the start of buf, taken out of it (their bodies), and the size a
+    frame announced past max_bytes (0: none; the connection is then to be ended)."""
+    bodies: list[bytes] = []
+    while len(buf) >= HEADER_BYTES:
+        size = int.from_bytes(buf[:HEADER_BYTES], "little")
+        if size > max_bytes:
+            return bodies, size
+        if len(buf) < HEADER_BYTES + size:
+            break
+        bodies.append(bytes(buf[HEADER_BYTES:HEADER_BYTES + size]))
+        del buf[:HEADER_BYTES + size]
+    return bodies, 0
+
+
 def usable_socket_path(path: str) -> str:
     """path when it is a lease socket a peer may name (absolute, kvsvc's shape), else ""."""
     parts = path.rsplit("/", 2)
@@ -211,21 +226,17 @@ class _SocketCall(asyncio.Protocol):
             raise ConnectionResetError(f"{backlog} bytes unsent: the P server stopped reading")
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        while len(buf) >= HEADER_BYTES:
-            size = int.from_bytes(buf[:HEADER_BYTES], "little")
-            if size > self._max_bytes:
-                return self._fail(f"the lease socket sent a {size}-byte frame")
-            if len(buf) < HEADER_BYTES + size:
-                return
+        self._buf += data
+        bodies, too_big = split_frames(self._buf, self._max_bytes)
+        for body in bodies:
             try:
-                resp = pb.LeaseChannelResponse.FromString(bytes(buf[HEADER_BYTES:HEADER_BYTES + size]))
+                resp = pb.LeaseChannelResponse.FromString(body)
             except DecodeError:
                 return self._fail("the lease socket broke: DecodeError")
-            del buf[:HEADER_BYTES + size]
             if self._on_answer is not None:
                 self._on_answer(resp)
+        if too_big:
+            self._fail(f"the lease socket sent a {too_big}-byte frame")
 
     def connection_lost(self, exc: Exception | None) -> None:
         # P closed it (a stream that ended) or it broke: the stream's calls are retried once.

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from kvsvc.client.lease_channel import HEADER_BYTES, SOCKET_DIR_PREFIX, SOCKET_NAME, frame
+from kvsvc.client.lease_channel import SOCKET_DIR_PREFIX, SOCKET_NAME, frame, split_frames
 from kvsvc.errors import KvsvcError
 from kvsvc.limits import MAX_LEASE_CALLS, check_count
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -181,20 +181,17 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self._buf
         buf += data
+        bodies, too_big = split_frames(buf, self._owner._max_bytes)
         answers: list[bytes] = []
-        while len(buf) >= HEADER_BYTES:
-            size = int.from_bytes(buf[:HEADER_BYTES], "little")
-            if size > self._owner._max_bytes:
-                log.warning("lease socket: a %d-byte frame is over the %d-byte limit; closing", size,
-                            self._owner._max_bytes)
-                return self._broken()
-            if len(buf) < HEADER_BYTES + size:
-                break
-            msg = _parse(bytes(buf[HEADER_BYTES:HEADER_BYTES + size]))
-            del buf[:HEADER_BYTES + size]
+        for body in bodies:
+            msg = _parse(body)
             if msg is None:
                 return self._broken()
             answers.append(frame(pb.LeaseChannelResponse(answers=[self._owner._answer(c, ()) for c in msg.calls])))
+        if too_big:
+            log.warning("lease socket: a %d-byte frame is over the %d-byte limit; closing", too_big,
+                        self._owner._max_bytes)
+            return self._broken()
         if answers and self._transport is not None and not self._transport.is_closing():
             self._transport.write(b"".join(answers))
         # A frame, once its first byte came, must be whole within FRAME_TIMEOUT_S.
