@@ -88,6 +88,10 @@ class ServerConfig:
     """A prefill server without TLS offers D servers on its host a Unix socket for their
     lease calls (a tenth of a gRPC stream message's cost; see service/lease_socket.py).
     False: lease calls always go over gRPC."""
+    transfer_socket: bool = True
+    """A decode server without TLS offers its engine on the same host a Unix socket for
+    TransferStream's messages (GetInfo says where; a tenth of a gRPC stream message's cost,
+    see service/transfer_socket.py). False: transfers always go over gRPC."""
     allowed_peers: tuple[str, ...] = ()
     """Engine ids this server exchanges KV with (empty: any): on P, who may handshake, claim
     and notify; on D, which P engines a Transfer may read from. With mutual TLS the engine
@@ -188,10 +192,11 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
         for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):
             if key in srv:
                 kw[key] = float(srv[key])
-        if "lease_socket" in srv:
-            if not isinstance(srv["lease_socket"], bool):
-                raise InvalidArgument("INVALID_CONFIG", f"{path}: server.lease_socket must be true or false")
-            kw["lease_socket"] = srv["lease_socket"]
+        for flag in ("lease_socket", "transfer_socket"):
+            if flag in srv:
+                if not isinstance(srv[flag], bool):
+                    raise InvalidArgument("INVALID_CONFIG", f"{path}: server.{flag} must be true or false")
+                kw[flag] = srv[flag]
         try:
             if "role" in srv:
                 kw["role"] = Role(srv["role"])

@@ -192,12 +192,15 @@ class AsyncClient:
         return await self._call(self._stub.Transfer, req, timeout_s,  # type: ignore[no-any-return]
                                 traceparent=traceparent)
 
-    def transfer_stream(self) -> TransferChannel:
+    def transfer_stream(self, carrier: str = "auto") -> TransferChannel:
         """Transfers over one TransferStream (what an engine that runs many uses; a
-        message each instead of a call each): .transfer() as here, .close() when done."""
+        message each instead of a call each): .transfer() as here, .close() when done.
+
+        carrier "auto": on the server's transfer socket when it offers one this process can
+        reach (same host, same user, no TLS), else over gRPC; "grpc": always over gRPC."""
         from kvsvc.client.transfer_stream import TransferChannel
 
-        return TransferChannel(self)
+        return TransferChannel(self, carrier)
 
     async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
                      traceparent: str = "") -> pb.NotifyResponse:
@@ -356,10 +359,10 @@ class Client:
         """The blocking twin of AsyncClient.lease_channel()."""
         return SyncLeaseChannel(self._run, self._async.lease_channel())
 
-    def transfer_stream(self) -> SyncTransferChannel:
+    def transfer_stream(self, carrier: str = "auto") -> SyncTransferChannel:
         """The blocking twin of AsyncClient.transfer_stream() (a blocking caller waits for
         each transfer; run several from threads to have them share the stream)."""
-        return SyncTransferChannel(self._run, self._async.transfer_stream())
+        return SyncTransferChannel(self._run, self._async.transfer_stream(carrier))
 
     def wait_transfer(self, request_id: str, *, wait_ms: int = 30_000,
                       timeout_s: float | None = None) -> pb.WaitTransferResponse:
@@ -413,6 +416,11 @@ class SyncTransferChannel:
 
     def __init__(self, run: Callable[[Coroutine[Any, Any, Any]], Any], channel: TransferChannel) -> None:
         self._run, self._channel = run, channel
+
+    @property
+    def carrier(self) -> str:
+        """See TransferChannel.carrier."""
+        return self._channel.carrier
 
     def transfer(self, request_id: str, params: pb.TransferParams,
                  local_block_ids_per_group: Sequence[Sequence[int]], *,

@@ -12,7 +12,7 @@ while a message is being written go out together in the next one.
 A P server without LeaseChannel (UNIMPLEMENTED) is spoken to with unary calls from then on.
 
 A P server on the same host may offer a Unix socket for the same messages (its path in
-the handshake answer; service/lease_socket.py has the framing): the stream then runs
+the handshake answer; client/framing.py has the framing): the stream then runs
 there, at a tenth of the cost. A socket that cannot be connected to (another host,
 another user, a P server gone) is given up for good and the gRPC stream used instead; a
 socket connection that breaks is like a broken stream (the call is retried once).
@@ -32,6 +32,7 @@ from google.rpc import status_pb2
 
 from kvsvc.client.client import AsyncClient
 from kvsvc.client.errors import error_from_rpc, error_from_status
+from kvsvc.client.framing import LEASE_SOCKET_NAME, SocketCall, socket_path_of
 from kvsvc.errors import DeadlineExceeded, Internal, KvsvcError, Unavailable
 from kvsvc.limits import MAX_LEASE_CALLS
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -40,45 +41,10 @@ log = logging.getLogger(__name__)
 
 _METHOD = "/kvsvc.v1.KvTransferService/LeaseChannel"
 
-# The lease socket (see the module docstring): each message is a 4-byte little-endian
-# length, then the serialized LeaseChannelRequest or LeaseChannelResponse.
-HEADER_BYTES = 4
-# A P server's socket is <temp dir>/kvsvc-<epoch>-<random>/lease.sock; D connects only to
-# paths of that shape, so a peer cannot point it at some other service's socket.
-SOCKET_DIR_PREFIX = "kvsvc-"
-SOCKET_NAME = "lease.sock"
-_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-# Bytes written to the lease socket and not yet taken by P past which the connection
-# counts as broken (at ~100 bytes a call: tens of thousands of unanswered calls).
-MAX_UNSENT_BYTES = 4 << 20
-
-
-def frame(msg: pb.LeaseChannelRequest | pb.LeaseChannelResponse) -> bytes:
-    data = msg.SerializeToString()
-    return len(data).to_bytes(HEADER_BYTES, "little") + data
-
-
-def split_frames(buf: bytearray, max_bytes: int) -> tuple[list[bytes], int]:
-    """The whole frames at the start of buf, taken out of it (their bodies), and the size a
-    frame announced past max_bytes (0: none; the connection is then to be ended)."""
-    bodies: list[bytes] = []
-    while len(buf) >= HEADER_BYTES:
-        size = int.from_bytes(buf[:HEADER_BYTES], "little")
-        if size > max_bytes:
-            return bodies, size
-        if len(buf) < HEADER_BYTES + size:
-            break
-        bodies.append(bytes(buf[HEADER_BYTES:HEADER_BYTES + size]))
-        del buf[:HEADER_BYTES + size]
-    return bodies, 0
-
 
 def usable_socket_path(path: str) -> str:
     """path when it is a lease socket a peer may name (absolute, kvsvc's shape), else ""."""
-    parts = path.rsplit("/", 2)
-    ok = (path.startswith("/") and len(path.encode()) <= _MAX_SOCKET_PATH and len(parts) == 3
-          and parts[2] == SOCKET_NAME and parts[1].startswith(SOCKET_DIR_PREFIX) and ".." not in parts)
-    return path if ok else ""
+    return socket_path_of(path, LEASE_SOCKET_NAME)
 
 
 class _StreamEnded(Exception):
@@ -106,7 +72,7 @@ class _Stream:
         self.writing = False
         self.ended = False
         self.reader: asyncio.Task[None] | None = None
-        if isinstance(call, _SocketCall):
+        if isinstance(call, SocketCall):
             call.attach(self._deliver, self._end)
         else:
             self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-lease-channel")
@@ -119,7 +85,7 @@ class _Stream:
         self.queue.append(call)
         if self.writing:
             return  # the write in flight (or the flush at the end of this loop turn) sends it
-        if isinstance(self.call, _SocketCall):
+        if isinstance(self.call, SocketCall):
             self.writing = True
             asyncio.get_running_loop().call_soon(self._flush)
             return
@@ -143,7 +109,7 @@ class _Stream:
         self.writing = False
         if self.ended or not self.queue:
             return
-        assert isinstance(self.call, _SocketCall)
+        assert isinstance(self.call, SocketCall)
         try:
             while self.queue:
                 batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
@@ -190,72 +156,6 @@ class _Stream:
         if self.reader is not None:
             self.reader.cancel()
             await asyncio.gather(self.reader, return_exceptions=True)
-
-
-class _SocketCall(asyncio.Protocol):
-    """The lease socket's connection: write_now() (a write that never waits), answers
-    handed to the stream as they arrive, cancel(). Nothing waits for the socket to drain:
-    every call has its own deadline, and a P that stops reading while unsent bytes pile up
-    past MAX_UNSENT_BYTES counts as broken (its calls fail over, as for any break)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max_bytes = max_bytes
-        self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
-        self._on_answer: Callable[[pb.LeaseChannelResponse], None] | None = None
-        self._on_end: Callable[[KvsvcError | None], None] | None = None
-        self._lost: KvsvcError | None = None
-        self._closed = False
-
-    def attach(self, on_answer: Callable[[pb.LeaseChannelResponse], None],
-               on_end: Callable[[KvsvcError | None], None]) -> None:
-        self._on_answer, self._on_end = on_answer, on_end
-        if self._closed:
-            on_end(self._lost)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
-
-    def write_now(self, msg: pb.LeaseChannelRequest) -> None:
-        transport = self._transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the lease socket is closed")
-        transport.write(frame(msg))
-        backlog = transport.get_write_buffer_size()
-        if backlog > MAX_UNSENT_BYTES:
-            raise ConnectionResetError(f"{backlog} bytes unsent: the P server stopped reading")
-
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
-        bodies, too_big = split_frames(self._buf, self._max_bytes)
-        for body in bodies:
-            try:
-                resp = pb.LeaseChannelResponse.FromString(body)
-            except DecodeError:
-                return self._fail("the lease socket broke: DecodeError")
-            if self._on_answer is not None:
-                self._on_answer(resp)
-        if too_big:
-            self._fail(f"the lease socket sent a {too_big}-byte frame")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        # P closed it (a stream that ended) or it broke: the stream's calls are retried once.
-        self._ended(Unavailable("UNAVAILABLE", f"the lease socket broke: {type(exc).__name__}") if exc else None)
-
-    def _fail(self, why: str) -> None:
-        self._ended(Unavailable("UNAVAILABLE", why))
-        self.cancel()
-
-    def _ended(self, error: KvsvcError | None) -> None:
-        if self._closed:
-            return
-        self._closed, self._lost = True, error
-        if self._on_end is not None:
-            self._on_end(error)
-
-    def cancel(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
 
 
 def _decode_error(data: bytes) -> KvsvcError:
@@ -364,7 +264,8 @@ class LeaseChannel:
                 try:
                     max_bytes = self._client.options.max_message_bytes
                     _, call = await asyncio.get_running_loop().create_unix_connection(
-                        lambda: _SocketCall(max_bytes), self._socket_path)
+                        lambda: SocketCall(max_bytes, pb.LeaseChannelResponse.FromString, "the lease socket"),
+                        self._socket_path)
                 except OSError as e:
                     log.info("lease socket %s of %s unusable (%s): lease calls go over gRPC", self._socket_path,
                              self.address, e)

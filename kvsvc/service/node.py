@@ -51,6 +51,7 @@ class Node:
         self.epoch = new_epoch()
         self.address = config.advertised_address or config.listen
         self.lease_socket_path = ""  # offered to same-host D servers in the handshake answer
+        self.transfer_socket_path = ""  # offered to this server's engine in GetInfo
         self._external = dict(external_pools or {})
         self.pools: dict[int, Pool] = {}
         self.data: NixlDataPlane | None = None
@@ -200,7 +201,7 @@ class Node:
             hosted_ranks=list(self.hosted_ranks), layout=layout_to_proto(self.layout),
             layout_hash=self.layout_hash, epoch=self.epoch, server_version=__version__,
             capabilities=caps, advertised_address=self.address, pools=self.pool_infos(), transport=transport,
-            live_leases=self.leases.live_count,
+            live_leases=self.leases.live_count, transfer_socket=self.transfer_socket_path,
         )
 
 

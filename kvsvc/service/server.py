@@ -26,6 +26,7 @@ from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.service.siblings import Siblings
 from kvsvc.service.stacks import install_stack_dump
+from kvsvc.service.transfer_socket import TransferSocket
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class RunningServer:
     metrics_address: str = ""
     registration: Registration | None = None
     lease_socket: LeaseSocket | None = None
+    transfer_socket: TransferSocket | None = None
     _stopped: bool = False
 
     async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
@@ -73,8 +75,12 @@ class RunningServer:
         if self.lease_socket is not None:
             await self.lease_socket.close()
         self.servicer.close_transfer_streams()  # they answer what runs, then end
+        if self.transfer_socket is not None:
+            self.transfer_socket.close_sessions()  # the same for the engine's streams there
         grace = self.node.config.shutdown_grace_s if grace_s is None else grace_s
-        await self.server.stop(grace)  # 3. in-flight RPCs finish within the grace period
+        # 3. in-flight RPCs (and the transfer socket's streams) finish within the grace period
+        await asyncio.gather(self.server.stop(grace), *(
+            [self.transfer_socket.drain(grace)] if self.transfer_socket is not None else []))
         await self.decoder.close()  # 4. transfers settle, peer channels close
         await self.siblings.close()
         await self.node.close()  # 5. leases, agents and pools go last, after no RPC can use them
@@ -158,6 +164,19 @@ async def create_server(
             raise
         else:
             running.lease_socket, node.lease_socket_path = lease_socket, lease_socket.path
+    if creds is None and config.transfer_socket and config.role is not Role.PREFILL and node.data is not None:
+        # This server's engine, on the same host, carries its transfers here (under TLS they
+        # stay on gRPC, with the engine's certificate); offered in GetInfo.
+        transfer_socket = TransferSocket(decoder, config.max_message_bytes, node.epoch)
+        try:
+            await transfer_socket.start()
+        except OSError as e:  # an optimisation only: serve without it
+            log.warning("no transfer socket (%s): the engine's transfers will use the gRPC stream", e)
+        except BaseException:
+            await running.stop(0, drain_s=0)
+            raise
+        else:
+            running.transfer_socket, node.transfer_socket_path = transfer_socket, transfer_socket.path
     if config.metrics_listen:
         try:
             running.metrics_address = node.metrics.serve(config.metrics_listen)

@@ -91,6 +91,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         info.engine_servers.extend(self.siblings.known.values())
         if not is_engine(self.node, caller_names(context)):
             del info.pools[:]  # shared-memory names and CUDA IPC handles are for the engine only
+            info.transfer_socket = ""
         return info
 
     @rpc_errors

@@ -68,7 +68,33 @@ class TransferStreamSession:
     def close(self) -> None:
         """Take no new transfers; end once the running ones are answered."""
         self.closing = True
-        self._wake.set()
+        self._changed()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of the stream runs or waits to be answered as given up."""
+        return not self._running and not self._giving_up
+
+    def take(self, msg: pb.TransferStreamRequest) -> None:
+        """One message from the caller: its transfers started, its cancels given up.
+        INVALID_ARGUMENT when it holds too many of either (the stream is then to end)."""
+        check_count(msg.transfers, "transfers", MAX_STREAM_CALLS)
+        check_count(msg.cancel_request_ids, "cancel_request_ids", MAX_STREAM_CALLS)
+        for call in msg.transfers:
+            self._start(call)
+        for request_id in msg.cancel_request_ids:
+            self._give_up(request_id)
+
+    def abandon(self) -> list[asyncio.Task[None]]:
+        """The caller is gone: its transfers are given up as a unary caller going away gives
+        a transfer up (nobody is answered); returns the give-up answers cancelled here."""
+        running, self._running = list(self._running.values()), {}
+        for job in running:
+            self._decoder.leave(job)
+        giving_up = list(self._giving_up)
+        for task in giving_up:
+            task.cancel()
+        return giving_up
 
     async def answers(self, requests: AsyncIterator[Any]) -> AsyncIterator[pb.TransferStreamResponse]:
         """The stream's answers, until its caller stopped sending and every transfer was
@@ -82,7 +108,7 @@ class TransferStreamSession:
                     raise self._overflow
                 if not self._answers:
                     if reader.done() or self.closing:
-                        if not self._running and not self._giving_up:
+                        if self.idle:
                             break
                         if reader.done() and reader.exception() is not None:
                             break
@@ -97,24 +123,14 @@ class TransferStreamSession:
                     raise error
         finally:
             reader.cancel()
-            # The caller is gone: give these up as a unary caller going away does.
-            running, self._running = list(self._running.values()), {}
-            for job in running:
-                self._decoder.leave(job)
-            for task in self._giving_up:
-                task.cancel()
-            await asyncio.gather(reader, *self._giving_up, return_exceptions=True)
+            giving_up = self.abandon()
+            await asyncio.gather(reader, *giving_up, return_exceptions=True)
 
     async def _read(self, requests: AsyncIterator[Any]) -> None:
         async for msg in requests:
             if isinstance(msg, Malformed):
                 raise msg.error()
-            check_count(msg.transfers, "transfers", MAX_STREAM_CALLS)
-            check_count(msg.cancel_request_ids, "cancel_request_ids", MAX_STREAM_CALLS)
-            for call in msg.transfers:
-                self._start(call)
-            for request_id in msg.cancel_request_ids:
-                self._give_up(request_id)
+            self.take(msg)
 
     def _start(self, call: pb.TransferCall) -> None:
         request_id = call.request.request_id
@@ -176,7 +192,7 @@ class TransferStreamSession:
 
     def _given_up_done(self, task: asyncio.Task[None]) -> None:
         self._giving_up.discard(task)
-        self._wake.set()
+        self._changed()
 
     async def _answer_given_up(self, request_id: str) -> None:
         settled = await self._decoder.given_up(request_id)
@@ -186,6 +202,11 @@ class TransferStreamSession:
             {"request_id": request_id}, code=ErrorCode.CANCELLED,
             details=[pb.TransferFailure()] if settled else [])))
 
+    def _changed(self) -> None:
+        """Something that may end the stream happened (closing, a give-up answered): look."""
+        self._wake.set()
+
+    # What a gRPC stream does with an answer (the transfer socket sends it its own way).
     def _answer(self, answer: pb.TransferAnswer) -> None:
         if self._overflow is not None:
             return  # the stream is ending: its caller gets no more answers

@@ -316,7 +316,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_size", "hosted_ranks", "layout", "layout_hash", "epoch", "pools", "transport", "server_version", "capabilities", "advertised_address", "live_leases", "engine_servers")
+    __slots__ = ("engine_id", "role", "tp_size", "hosted_ranks", "layout", "layout_hash", "epoch", "pools", "transport", "server_version", "capabilities", "advertised_address", "live_leases", "engine_servers", "transfer_socket")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class GetInfoResponse(_message.Message):
     ADVERTISED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: Role
     tp_size: int
@@ -345,7 +346,8 @@ class GetInfoResponse(_message.Message):
     advertised_address: str
     live_leases: int
     engine_servers: _containers.RepeatedCompositeFieldContainer[EngineServer]
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., hosted_ranks: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., transport: _Optional[_Union[TransportInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., advertised_address: _Optional[str] = ..., live_leases: _Optional[int] = ..., engine_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ...) -> None: ...
+    transfer_socket: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., hosted_ranks: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., transport: _Optional[_Union[TransportInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., advertised_address: _Optional[str] = ..., live_leases: _Optional[int] = ..., engine_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ..., transfer_socket: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_size", "layout", "layout_hash", "ranks", "expected_engine_id")
@@ -753,10 +755,12 @@ class TransferCall(_message.Message):
     def __init__(self, request: _Optional[_Union[TransferRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TransferStreamResponse(_message.Message):
-    __slots__ = ("answers",)
+    __slots__ = ("answers", "stream_error")
     ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ERROR_FIELD_NUMBER: _ClassVar[int]
     answers: _containers.RepeatedCompositeFieldContainer[TransferAnswer]
-    def __init__(self, answers: _Optional[_Iterable[_Union[TransferAnswer, _Mapping]]] = ...) -> None: ...
+    stream_error: bytes
+    def __init__(self, answers: _Optional[_Iterable[_Union[TransferAnswer, _Mapping]]] = ..., stream_error: _Optional[bytes] = ...) -> None: ...
 
 class TransferAnswer(_message.Message):
     __slots__ = ("request_id", "response", "error_status")

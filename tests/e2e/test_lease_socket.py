@@ -114,9 +114,9 @@ def framed(msg: pb.LeaseChannelRequest) -> bytes:
 
 
 async def test_hostile_frames_end_their_connection_and_touch_no_lease(monkeypatch):
-    from kvsvc.service import lease_socket
+    from kvsvc.service import local_socket
 
-    monkeypatch.setattr(lease_socket, "FRAME_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(local_socket, "FRAME_TIMEOUT_S", 0.3)
     async with in_process_pair("ls") as (p, _d):
         assert p.lease_socket is not None
         path = p.lease_socket.path
@@ -223,15 +223,17 @@ def test_only_stale_kvsvc_socket_directories_go(tmp_path):
         return str(d)
 
     stale = make("kvsvc-0123abcd-a1b2c3d4", sock="lease.sock")
+    stale_transfer = make("kvsvc-0123abcd-b1b2c3d4", sock="transfer.sock")  # a D server's
     empty = make("kvsvc-0123abcd-emptydir")
+    other_sock = make("kvsvc-0123abcd-othersck", sock="other.sock")
     other_file = make("kvsvc-0123abcd-hasfile1", sock="lease.sock", extra="notes.txt")
     bad_name = make("kvsvc-notours", sock="lease.sock")
     wide_mode = make("kvsvc-0123abcd-widemode", sock="lease.sock", mode=0o755)
     fresh = make("kvsvc-0123abcd-freshdir", sock="lease.sock")
     os.utime(fresh, None)  # just made: a server may be starting in it
-    assert remove_stale_dirs(str(tmp_path)) == 2
-    assert not os.path.exists(stale) and not os.path.exists(empty)
-    assert all(os.path.exists(p) for p in (other_file, bad_name, wide_mode, fresh))
+    assert remove_stale_dirs(str(tmp_path)) == 3
+    assert not any(os.path.exists(p) for p in (stale, stale_transfer, empty))
+    assert all(os.path.exists(p) for p in (other_file, other_sock, bad_name, wide_mode, fresh))
 
 
 async def test_frames_split_anywhere_or_sent_together_are_all_answered_in_order():
@@ -262,7 +264,7 @@ async def test_frames_split_anywhere_or_sent_together_are_all_answered_in_order(
 
 def test_a_p_server_that_stops_reading_breaks_the_socket_past_the_bound():
     """D never waits for the lease socket to drain; unsent bytes past MAX_UNSENT_BYTES end it."""
-    from kvsvc.client import lease_channel as lc
+    from kvsvc.client import framing
 
     class StuckTransport:
         def __init__(self) -> None:
@@ -277,13 +279,13 @@ def test_a_p_server_that_stops_reading_breaks_the_socket_past_the_bound():
         def get_write_buffer_size(self) -> int:
             return self.buffered
 
-    call = lc._SocketCall(1 << 20)
+    call = framing.SocketCall(1 << 20, pb.LeaseChannelResponse.FromString, "the lease socket")
     transport = StuckTransport()
     call.connection_made(transport)  # type: ignore[arg-type]
     msg = pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=1, notify=pb.NotifyRequest(request_id="r" * 200))])
     sent = 0
     with pytest.raises(ConnectionResetError):
-        while sent < 10 * lc.MAX_UNSENT_BYTES:
+        while sent < 10 * framing.MAX_UNSENT_BYTES:
             call.write_now(msg)
             sent += 1
-    assert lc.MAX_UNSENT_BYTES < transport.buffered <= lc.MAX_UNSENT_BYTES + 1024
+    assert framing.MAX_UNSENT_BYTES < transport.buffered <= framing.MAX_UNSENT_BYTES + 1024

@@ -28,6 +28,17 @@ BIG = layout_table(k=8, head=128, block=16, layers=8, nb=200)
 METHOD = "/kvsvc.v1.KvTransferService/TransferStream"
 
 
+@pytest.fixture(params=["socket", "grpc"])
+def carrier(request: pytest.FixtureRequest) -> str:
+    """What TransferChannel runs on: the D server's transfer socket (what an engine on its
+    host gets) or the gRPC stream (another host, TLS)."""
+    return request.param  # type: ignore[no-any-return]
+
+
+def channel_on(client: AsyncClient, carrier: str):
+    return client.transfer_stream("auto" if carrier == "socket" else "grpc")
+
+
 def raw_stream(client: AsyncClient) -> grpc.aio.StreamStreamCall:
     """The RPC as any gRPC client in any language sees it (no kvsvc client code)."""
     return client.channel.stream_stream(METHOD, request_serializer=pb.TransferStreamRequest.SerializeToString,
@@ -48,10 +59,10 @@ async def live_leases_reach_zero(pc: AsyncClient) -> int:
     return n
 
 
-async def test_many_transfers_on_one_stream_move_the_right_bytes():
+async def test_many_transfers_on_one_stream_move_the_right_bytes(carrier):
     with servers(1, 1, SMALL) as (p, d):
         async with session(p, d) as s:
-            channel = s.dc.transfer_stream()
+            channel = channel_on(s.dc, carrier)
             pm, dm = s.pe.mem[0], s.de.mem[0]
             for b in range(32):
                 stamp(pm, [b], 100 + b)
@@ -60,7 +71,7 @@ async def test_many_transfers_on_one_stream_move_the_right_bytes():
                                            for b in range(32)))
             assert all(holds(dm, [63 - b], 100 + b) for b in range(32)), "a block holds another request's bytes"
             assert all(r.total_bytes == resps[0].total_bytes > 0 for r in resps)
-            assert channel.streams_opened == 1 and channel.is_open
+            assert channel.streams_opened == 1 and channel.is_open and channel.carrier == carrier
             assert await live_leases_reach_zero(s.pc) == 0  # each claim reported its lease consumed
             # A retry of a finished transfer (same id, params, blocks) gets its outcome, not a second read.
             again = await channel.transfer("d-st0", pubs[0].params, [[63]], timeout_s=60)
@@ -68,10 +79,10 @@ async def test_many_transfers_on_one_stream_move_the_right_bytes():
             await channel.close()
 
 
-async def test_a_transfers_error_is_its_answer_as_in_unary_and_the_stream_goes_on():
+async def test_a_transfers_error_is_its_answer_as_in_unary_and_the_stream_goes_on(carrier):
     with servers(1, 1, SMALL) as (p, d):
         async with session(p, d) as s:
-            channel = s.dc.transfer_stream()
+            channel = channel_on(s.dc, carrier)
             pub = await s.pc.publish_blocks("good", [[1]])
             forged = pb.TransferParams()
             forged.CopyFrom(pub.params)
@@ -90,15 +101,15 @@ async def test_a_transfers_error_is_its_answer_as_in_unary_and_the_stream_goes_o
             pub = await s.pc.publish_blocks("good-again", [[1]])
             await channel.transfer("d-good", pub.params, [[9]], timeout_s=30)
             assert not s.de.check([[9]])
-            assert channel.streams_opened == 1
+            assert channel.streams_opened == 1 and channel.carrier == carrier
 
 
-async def test_a_cancelled_caller_gives_the_transfer_up_settled_and_frees_the_lease():
+async def test_a_cancelled_caller_gives_the_transfer_up_settled_and_frees_the_lease(carrier):
     """As tests/e2e/test_trust.py's random cancellations, on the stream: after the transfer
     is reported settled nothing writes into its blocks, and P's leases all end."""
     with servers(1, 1, BIG) as (p, d):
         async with session(p, d) as s:
-            channel = s.dc.transfer_stream()
+            channel = channel_on(s.dc, carrier)
             pm, dm = s.pe.mem[0], s.de.mem[0]
             stamp(pm, list(range(64)), 7)
             rng = random.Random(11)
@@ -229,7 +240,7 @@ async def test_only_a_decode_servers_engine_may_open_one():
             assert error_from_rpc(e.value).code is ErrorCode.FAILED_PRECONDITION  # a prefill server's
 
 
-async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypatch):
+async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypatch, carrier):
     async with in_process_pair("ts") as (p, d):
         async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
             pe, de = await Engine.of(pc), await Engine.of(dc)
@@ -243,7 +254,7 @@ async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypat
             monkeypatch.setattr(d.decoder, "_run", held)
             pe.fill([[1]])
             pub = await pc.publish_blocks("held", [[1]])
-            channel = dc.transfer_stream()
+            channel = channel_on(dc, carrier)
             first = asyncio.ensure_future(channel.transfer("d-held", pub.params, [[2]], timeout_s=30))
             while not d.decoder.jobs.running:
                 await asyncio.sleep(0.01)
@@ -254,6 +265,7 @@ async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypat
             with pytest.raises(KvsvcError) as e:  # a transfer sent while stopping: not started
                 await channel.transfer("d-late", late.params, [[4]], timeout_s=30)
             assert (e.value.code, e.value.reason) == (ErrorCode.UNAVAILABLE, "SHUTTING_DOWN")
+            assert channel.carrier == carrier
             gate.set()
             await first  # the running one is answered, and good
             assert not de.check([[2]])
@@ -301,18 +313,19 @@ async def test_grpcurl_runs_transfers_on_the_stream():
             assert "error_status" in by_id["d-bad"]
 
 
-def test_the_blocking_client_runs_transfers_on_the_stream():
+def test_the_blocking_client_runs_transfers_on_the_stream(carrier):
     from kvsvc.client import Client
 
     with servers(1, 1, SMALL) as (p, d):
         with Client(p.address) as pc, Client(d.address) as dc:
             pubs = [pc.publish_blocks(f"sync{i}", [[i + 1]]) for i in range(3)]
-            channel = dc.transfer_stream()
+            channel = dc.transfer_stream("auto" if carrier == "socket" else "grpc")
             resps = [channel.transfer(f"d-sync{i}", pubs[i].params, [[40 + i]], timeout_s=30) for i in range(3)]
             assert all(r.total_bytes == resps[0].total_bytes > 0 for r in resps)
             with pytest.raises(KvsvcError) as e:  # the consumed lease's own error, as unary
                 channel.transfer("d-sync-again", pubs[0].params, [[45]], timeout_s=30)
             assert e.value.reason == "LEASE_EXPIRED"
+            assert channel.carrier == carrier
             channel.close()
 
 
