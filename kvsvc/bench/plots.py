@@ -46,15 +46,16 @@ def draw(res: dict[str, Any], out_dir: str) -> list[Path]:
 
     rows = sorted(res["concurrency"], key=lambda c: c["in_flight"])
     conc = [c for c in rows if c.get("api", "stream") == "stream"]
-    unary = [c for c in rows if c.get("api") == "unary"]
+    others = [(api, [c for c in rows if c.get("api") == api]) for api in ("grpc-stream", "unary")]
     fig, ax = plt.subplots(figsize=(6, 4.5))
     xs = [c["in_flight"] for c in conc]
     for key, label, style in (("transfer_p50_ms", "Transfer p50", "-o"), ("transfer_p99_ms", "Transfer p99", "--o"),
                               ("wire_p50_ms", "wire p50", "-s"), ("wire_p99_ms", "wire p99", "--s")):
         ax.plot(xs, [c[key] for c in conc], style, label=label)
-    if unary:
-        ax.plot([c["in_flight"] for c in unary], [c["transfer_p50_ms"] for c in unary], ":^",
-                label="Transfer p50, unary calls")
+    for (api, other), style in zip(others, (":v", ":^"), strict=True):
+        if other:
+            ax.plot([c["in_flight"] for c in other], [c["transfer_p50_ms"] for c in other], style,
+                    label=f"Transfer p50, {'the stream over gRPC' if api == 'grpc-stream' else 'unary calls'}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("1-block requests in flight")

@@ -30,15 +30,17 @@ def print_report(res: dict[str, Any]) -> None:
               f"{_f(p.get('raw_nixl_gbps')):>6} {p['memcpy_gbps']:>6.2f}      | "
               f"{_f(p.get('prefill_cpu_s_per_gb'), '.3f'):>6} {_f(p.get('decode_cpu_s_per_gb'), '.3f'):>6}")
     print()
-    print(f"{'in flight':>10} {'api':>6} {'transfers/s':>12} | {'Transfer p50':>12} {'p99':>8} | {'wire p50':>9} "
+    print(f"{'in flight':>10} {'api':>11} {'transfers/s':>12} | {'Transfer p50':>12} {'p99':>8} | {'wire p50':>9} "
           f"{'p99':>8} | {'P CPU':>6} {'D CPU':>6} s/GB   (1-block requests)")
     for c in res["concurrency"]:
-        print(f"{c['in_flight']:>10} {c.get('api', ''):>6} {c['transfers_per_s']:>12.0f} | {c['transfer_p50_ms']:>12.2f} "
+        print(f"{c['in_flight']:>10} {c.get('api', ''):>11} {c['transfers_per_s']:>12.0f} | {c['transfer_p50_ms']:>12.2f} "
               f"{c['transfer_p99_ms']:>8.2f} | {c['wire_p50_ms']:>9.2f} {c['wire_p99_ms']:>8.2f} | "
               f"{_f(c.get('prefill_cpu_s_per_gb'), '.3f'):>6} {_f(c.get('decode_cpu_s_per_gb'), '.3f'):>6}")
     cold = res["cold"]
     print()
-    print(f"overhead (1 block, Transfer p50 - wire p50): {res['overhead_p50_ms']:.3f} ms on the TransferStream, "
+    print(f"overhead (1 block, Transfer p50 - wire p50): {res['overhead_p50_ms']:.3f} ms on the TransferStream "
+          f"({res.get('transfer_carrier') or '?'} carrier: 'stream' above), "
+          f"{_f(res.get('overhead_p50_ms_grpc_stream'), '.3f')} ms on it over gRPC, "
           f"{_f(res.get('overhead_p50_ms_unary'), '.3f')} ms with unary calls; a bare gRPC round trip here: "
           f"{res['grpc_round_trip_p50_ms']:.3f} ms")
     print(f"cold vs warm ({cold['blocks']} blocks into D blocks never written, then again): wire p50 "

@@ -27,7 +27,15 @@ from typing import Any
 import numpy as np
 
 from kvsvc.bench.measure import CpuMeter, Progress, cpu_seconds, gbps, ms
-from kvsvc.bench.paths import RawNixl, Samples, kvsvc_concurrent, kvsvc_sequential, memcpy_runs, rpc_round_trips
+from kvsvc.bench.paths import (
+    RawNixl,
+    Samples,
+    Transferer,
+    kvsvc_concurrent,
+    kvsvc_sequential,
+    memcpy_runs,
+    rpc_round_trips,
+)
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.attach import AttachedPool, attach_pool
 from kvsvc.client.transfer_stream import TransferChannel
@@ -44,6 +52,8 @@ COLD_MIB = 2
 # takes ~0.4 ms here, within this VM's jitter: five pairs gave 0.92-1.22 run to run.
 COLD_TRIALS = 15
 CONCURRENCY_SLOTS = 64  # D blocks the in-flight requests rotate over (more than the most in flight)
+# How the concurrency sweep runs its transfers, side by side (see concurrency_point).
+APIS = ("stream", "grpc-stream", "unary")
 
 
 def bench_layout(layers: int, num_blocks: int) -> dict[str, Any]:
@@ -73,7 +83,10 @@ class Target:
     p_info: pb.GetInfoResponse
     d_info: pb.GetInfoResponse
     xfer: TransferChannel
-    """How the kvsvc path runs its Transfers: on one TransferStream, as an engine does."""
+    """How the kvsvc path runs its Transfers: on one TransferStream, as an engine does (on
+    D's transfer socket when it offers one this process can reach, else over gRPC)."""
+    xfer_grpc: TransferChannel
+    """The same always over gRPC (the concurrency sweep compares them)."""
     pids: dict[str, int] = field(default_factory=dict)
     p_pool: AttachedPool | None = None
     d_pool: AttachedPool | None = None
@@ -110,7 +123,8 @@ async def target(args: argparse.Namespace, num_blocks: int) -> AsyncIterator[Tar
     opts = client_options(args)
     try:
         async with AsyncClient(p_addr, opts) as pc, AsyncClient(d_addr, opts) as dc:
-            t = Target(pc, dc, await pc.get_info(), await dc.get_info(), dc.transfer_stream())
+            t = Target(pc, dc, await pc.get_info(), await dc.get_info(), dc.transfer_stream(),
+                       dc.transfer_stream("grpc"))
             if started:
                 t.pids = {"prefill": started[0].proc.pid, "decode": started[1].proc.pid, "client": os.getpid()}
             t.p_pool, t.d_pool = _attach(t.p_info), _attach(t.d_info)
@@ -118,6 +132,7 @@ async def target(args: argparse.Namespace, num_blocks: int) -> AsyncIterator[Tar
                 yield t
             finally:
                 await t.xfer.close()
+                await t.xfer_grpc.close()
                 for pool in (t.p_pool, t.d_pool):
                     if pool is not None:
                         pool.close()
@@ -181,11 +196,14 @@ async def cold_vs_warm(t: Target, first_block: int, n: int) -> dict[str, Any]:
 
 async def concurrency_point(t: Target, in_flight: int, requests: int, p_blocks: int, first_slot: int,
                             api: str) -> dict[str, Any]:
-    """1-block requests, in_flight at a time, on the TransferStream (api "stream") or as
-    unary Transfer calls ("unary")."""
+    """1-block requests, in_flight at a time, on the TransferStream as engines run it (api
+    "stream": on D's transfer socket where there is one), on the TransferStream over gRPC
+    ("grpc-stream") or as unary Transfer calls ("unary")."""
     meter = CpuMeter(t.pids)
     meter.start()
-    s = await kvsvc_concurrent(t.pc, t.xfer if api == "stream" else t.dc, requests, in_flight,
+    runners: dict[str, Transferer] = {"stream": t.xfer, "grpc-stream": t.xfer_grpc, "unary": t.dc}
+    runner = runners[api]
+    s = await kvsvc_concurrent(t.pc, runner, requests, in_flight,
                                lambda i: ([i % p_blocks], [first_slot + i % CONCURRENCY_SLOTS]),
                                f"{api}-{in_flight}")
     cpu = meter.stop()
@@ -278,12 +296,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.step(f"cold vs warm: {cold['cold_over_warm']:.2f}")
         conc = []
         for c in concurrency:
-            for api in ("stream", "unary"):  # side by side, the stream first as engines use it
+            for api in APIS:  # side by side, the stream first as engines use it
                 row = await concurrency_point(t, c, args.requests if c > 1 else max(50, args.requests // 2),
                                               largest, slots_first, api)
                 conc.append(row)
                 progress.step(f"{c} in flight ({api}): {row['transfers_per_s']:.0f} transfers/s, p99 "
                               f"{row['transfer_p99_ms']:.2f} ms")
+        carrier = t.xfer.carrier  # what the engine-style stream ran on
         rtt = await rpc_round_trips(t.dc, 200)
         progress.step(f"gRPC round trip p50 {ms(rtt, 50):.3f} ms")
         d_transport = (await t.dc.get_info()).transport
@@ -293,23 +312,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(HANDSHAKE_PROGRESS_S)  # past P's post-handshake progress window
             idle = await idle_cpu_percent(t.pids, 2.0)
         progress.step("idle CPU")
-    res = summarise(points, cold, conc, ms(rtt, 50), transports, idle, raw_error, args)
+    res = summarise(points, cold, conc, ms(rtt, 50), transports, idle, raw_error, args, carrier)
     res["decode_copy_threads"] = d_transport.copy_threads
     return res
 
 
+def _ends(conc: list[dict[str, Any]], api: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """api's row at 1 in flight and its row with the most in flight (None: no such row)."""
+    rows = [c for c in conc if c["api"] == api]
+    return next((c for c in rows if c["in_flight"] == 1), None), max(rows, key=lambda c: c["in_flight"], default=None)
+
+
+def _overhead(row: dict[str, Any] | None) -> float | None:
+    return row["transfer_p50_ms"] - row["wire_p50_ms"] if row else None
+
+
 def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dict[str, Any]], rtt_ms: float,
-              transports: list[str], idle: dict[str, float], raw_error: str, args: argparse.Namespace
-              ) -> dict[str, Any]:
+              transports: list[str], idle: dict[str, float], raw_error: str, args: argparse.Namespace,
+              carrier: str = "") -> dict[str, Any]:
     """The headline figures (stable JSON keys) over the detailed rows."""
     largest = max(p["blocks"] for p in points)
     big = {p["pattern"]: p for p in points if p["blocks"] == largest}
-    stream = [c for c in conc if c["api"] == "stream"]
-    unary = [c for c in conc if c["api"] == "unary"]
-    one = next((c for c in stream if c["in_flight"] == 1), None)
-    many = max(stream, key=lambda c: c["in_flight"]) if stream else None
-    one_unary = next((c for c in unary if c["in_flight"] == 1), None)
-    many_unary = max(unary, key=lambda c: c["in_flight"]) if unary else None
+    one, many = _ends(conc, "stream")
+    one_grpc, many_grpc = _ends(conc, "grpc-stream")
+    one_unary, many_unary = _ends(conc, "unary")
     single = next(p for p in points if p["blocks"] == 1 and p["pattern"] == "shuffled")
     ratio = {f"kvsvc_over_raw_nixl_{k}": (v["kvsvc_transfer_gbps"] / v["raw_nixl_gbps"]) if v.get("raw_nixl_gbps")
              else None for k, v in big.items()}
@@ -324,10 +350,12 @@ def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dic
         "overhead_p50_ms": (one or single)["transfer_p50_ms"] - (one or single)["wire_p50_ms"],
         "transfers_per_s": many["transfers_per_s"] if many else None,
         "transfers_per_s_in_flight": many["in_flight"] if many else None,
-        # the same with a unary Transfer call per request instead of the TransferStream
-        "overhead_p50_ms_unary": one_unary["transfer_p50_ms"] - one_unary["wire_p50_ms"] if one_unary else None,
+        # the same on the TransferStream over gRPC, and with a unary Transfer call per request
+        "overhead_p50_ms_grpc_stream": _overhead(one_grpc),
+        "transfers_per_s_grpc_stream": many_grpc["transfers_per_s"] if many_grpc else None,
+        "overhead_p50_ms_unary": _overhead(one_unary),
         "transfers_per_s_unary": many_unary["transfers_per_s"] if many_unary else None,
-        "transfer_api": "stream",
+        "transfer_api": "stream", "transfer_carrier": carrier,
         "cold_over_warm": cold["cold_over_warm"],
         "grpc_round_trip_p50_ms": rtt_ms,
         "verified": all(checks) if checks else None,

@@ -34,11 +34,14 @@ def test_bench_writes_figures_and_charts(tmp_path):
         assert p["verified"] is True and p["bytes"] == p["blocks"] * 256 * 1024
         assert p["raw_nixl_bytes"] == p["bytes"] and p["transfer_p99_ms"] >= p["transfer_p50_ms"] > 0
         assert p["decode_cpu_s_per_gb"] >= 0 and p["prefill_cpu_s_per_gb"] >= 0
-    # each level on the TransferStream and with unary calls, side by side
+    # each level on the TransferStream (on D's transfer socket: the bench and D share this
+    # host), on it over gRPC and with unary calls, side by side
     assert [(c["in_flight"], c["api"]) for c in res["concurrency"]] == [
-        (1, "stream"), (1, "unary"), (4, "stream"), (4, "unary")]
+        (1, "stream"), (1, "grpc-stream"), (1, "unary"), (4, "stream"), (4, "grpc-stream"), (4, "unary")]
     assert res["transfers_per_s_in_flight"] == 4 and res["transfer_api"] == "stream"
-    assert res["transfers_per_s_unary"] > 0 and res["overhead_p50_ms_unary"] is not None
+    assert res["transfer_carrier"] == "socket"
+    for api in ("unary", "grpc_stream"):
+        assert res[f"transfers_per_s_{api}"] > 0 and res[f"overhead_p50_ms_{api}"] is not None
     assert sorted(res["plan_1_block_us_by_layers"], key=int) == ["4", "32", "80"]
     assert all(us > 0 for us in res["plan_1_block_us_by_layers"].values())
     # progress on stderr, one line per step; the table on stdout
