@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +98,7 @@ class Posted:
 def _addresses(node: Node, ranks: dict[int, RemoteRank],
                plan: RankPlan) -> list[tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]:
     """(remote rank, local addresses, remote addresses, lengths) per source rank."""
-    pool = node.pools[plan.local_rank]
-    local_base = np.array([pool.region_address(r) for r in node.side.pool.regions], dtype=np.int64)
+    local_base = node.region_bases(plan.local_rank)
     out = []
     for reads in plan.reads:
         if not reads.num_descriptors:
@@ -107,9 +107,8 @@ def _addresses(node: Node, ranks: dict[int, RemoteRank],
         if rr is None:
             raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill rank {reads.remote_rank} was not in the "
                                      "handshake", {"rank": reads.remote_rank})
-        remote_base = np.asarray(rr.region_bases, dtype=np.int64)
         out.append((rr, local_base[reads.local_region] + reads.local_offset,
-                    remote_base[reads.remote_region] + reads.remote_offset, reads.length))
+                    rr.bases[reads.remote_region] + reads.remote_offset, reads.length))
     return out
 
 
@@ -155,6 +154,11 @@ async def _claim_refusal(claimed: asyncio.Future[None], timeout_s: float) -> Cla
     if claimed.done() and not claimed.cancelled() and isinstance(claimed.exception(), ClaimRefused):
         return claimed.exception()  # type: ignore[return-value]
     return None
+
+
+def _record(recorded: list[Callable[[], None]]) -> None:
+    for record in recorded:
+        record()
 
 
 def _cancel_unwanted(job: Job) -> None:
@@ -297,12 +301,17 @@ class Decoder:
     async def _measured(self, req: pb.TransferRequest, deadline: float,
                         trace_ctx: Context | None = None) -> pb.TransferResponse:
         """One job, counted once (retries that join it are not) by outcome and reason, and
-        traced as one span (under the caller's trace when it sent one)."""
+        traced as one span (under the caller's trace when it sent one).
+
+        Its metrics are recorded once the job ended, after the callbacks that answer it:
+        one transfer at a time, its caller then waits for none of that.
+        """
         started = time.perf_counter()
         peer_engine = req.params.remote_engine_id
         REQUEST_ID.set(req.request_id)  # this job's own task: every log line of it names the request
         task = asyncio.current_task()
         assert task is not None
+        recorded: list[Callable[[], None]] = []  # metrics to record once the job was answered
         # A job still running past its own deadline (plus the answer margin) is stuck on
         # something unbounded: say where, once.
         overdue = asyncio.get_running_loop().call_later(
@@ -311,7 +320,7 @@ class Decoder:
                 "kvsvc.request_id": req.request_id, "kvsvc.remote_request_id": req.params.remote_request_id,
                 "kvsvc.peer_engine": peer_engine}) as span:
             try:
-                resp = await self._run(req, deadline)
+                resp = await self._run(req, deadline, recorded)
             except BaseException as e:
                 reason = e.reason if isinstance(e, KvsvcError) else (
                     "CANCELLED" if isinstance(e, asyncio.CancelledError) else "INTERNAL")
@@ -320,13 +329,15 @@ class Decoder:
                 raise
             finally:
                 overdue.cancel()
+                task.add_done_callback(lambda _t: _record(recorded))
             span.set_attribute("kvsvc.bytes", resp.total_bytes)
-        self.node.metrics.transfer_ok(peer_engine, time.perf_counter() - started, resp.total_bytes,
-                                      sum(r.num_descriptors for r in resp.ranks),
-                                      max((r.duration_us for r in resp.ranks), default=0) / 1e6)
+        recorded.append(functools.partial(
+            self.node.metrics.transfer_ok, peer_engine, time.perf_counter() - started, resp.total_bytes,
+            sum(r.num_descriptors for r in resp.ranks), max((r.duration_us for r in resp.ranks), default=0) / 1e6))
         return resp
 
-    async def _run(self, req: pb.TransferRequest, deadline: float) -> pb.TransferResponse:
+    async def _run(self, req: pb.TransferRequest, deadline: float,
+                   recorded: list[Callable[[], None]]) -> pb.TransferResponse:
         p, node = req.params, self.node
         named = p_servers(p)
         try:
@@ -354,9 +365,10 @@ class Decoder:
                     self._spawn(self._abort_unpaired(p))
                 raise failed[0]
             legs = [Leg(peer, d_ranks) for peer, (_, d_ranks) in zip(entered, needed, strict=True)]  # type: ignore[arg-type]
-            return await self._transfer(req, legs, deadline)
+            return await self._transfer(req, legs, deadline, recorded)
 
-    async def _transfer(self, req: pb.TransferRequest, legs: list[Leg], deadline: float) -> pb.TransferResponse:
+    async def _transfer(self, req: pb.TransferRequest, legs: list[Leg], deadline: float,
+                        recorded: list[Callable[[], None]]) -> pb.TransferResponse:
         node, data, p = self.node, self.node.require_data_plane("Transfer"), req.params
         started = time.perf_counter()
         side = legs[0].peer.side
@@ -438,13 +450,15 @@ class Decoder:
             confirm_sent = time.perf_counter()
             if claimed is None:
                 await claim_all(legs, own, self._rpc_timeout(deadline), consumed=True)
-                self.node.metrics.lease_call("claim_consumed", time.perf_counter() - confirm_sent)
+                recorded.append(functools.partial(self.node.metrics.lease_call, "claim_consumed",
+                                                  time.perf_counter() - confirm_sent))
             else:
                 if any(leg.clock is not None and leg.clock.expired for leg in legs):
                     raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
                                              {"request_id": p.remote_request_id})
                 await confirm_all(legs, own, self._rpc_timeout(deadline))
-                self.node.metrics.lease_call("confirm", time.perf_counter() - confirm_sent)
+                recorded.append(functools.partial(self.node.metrics.lease_call, "confirm",
+                                                  time.perf_counter() - confirm_sent))
         except BaseException as e:
             # A cancelled or lost claim may have gone through: abort it like any failure. A
             # refused one is P's answer to pass on (it explains a READ that failed alongside,
@@ -467,7 +481,7 @@ class Decoder:
             for k in keepers:
                 k.cancel()
         marks.append(("confirm", time.perf_counter()))
-        self.node.metrics.phases(marks, started)
+        recorded.append(functools.partial(self.node.metrics.phases, marks, started))
         record_phases(span, clock, started, marks)
         if log.isEnabledFor(logging.DEBUG):
             prev, phases = started, []

@@ -8,6 +8,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvsvc import __version__
 from kvsvc.codec import layout_to_proto, rank_plan_to_proto, region_to_proto
 from kvsvc.config import MemoryMode, Role, ServerConfig
@@ -54,6 +56,7 @@ class Node:
         self.transfer_socket_path = ""  # offered to this server's engine in GetInfo
         self._external = dict(external_pools or {})
         self.pools: dict[int, Pool] = {}
+        self._region_bases: dict[int, np.ndarray] = {}
         self.data: NixlDataPlane | None = None
         self.data_error = ""
         self.metrics = Metrics(config.engine_id)
@@ -168,6 +171,15 @@ class Node:
         return msg
 
     # ---- descriptions ---------------------------------------------------------------
+
+    def region_bases(self, rank: int) -> np.ndarray:
+        """The absolute address of each region's block 0 in a hosted rank's pool (made once)."""
+        bases = self._region_bases.get(rank)
+        if bases is None:
+            pool = self.pools[rank]
+            bases = self._region_bases[rank] = np.array([pool.region_address(r) for r in self.side.pool.regions],
+                                                        dtype=np.int64)
+        return bases
 
     def region_table(self, rank: int) -> list[pb.RegionInfo]:
         pool = self.pools.get(rank)

@@ -8,7 +8,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.lease_channel import LeaseChannel
@@ -32,6 +34,11 @@ class RemoteRank:
     region_bases: list[int]
     memory_kind: str = "DRAM"
     device_id: int = 0
+    bases: np.ndarray = field(init=False, repr=False)
+    """region_bases as an array, made once (every transfer indexes it)."""
+
+    def __post_init__(self) -> None:
+        self.bases = np.asarray(self.region_bases, dtype=np.int64)
 
 
 @dataclass

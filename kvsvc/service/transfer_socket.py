@@ -87,10 +87,14 @@ class _SocketSession(TransferStreamSession):
         self._flush_due = False
 
     def _answer(self, answer: pb.TransferAnswer) -> None:
-        self._batch.append(answer)
-        if not self._flush_due:
+        if self._flush_due:
+            self._batch.append(answer)
+        else:
+            # The first answer of a loop turn goes out at once (one transfer at a time, its
+            # caller waits for nothing else); the turn's later ones together at its end.
             self._flush_due = True
             self._loop.call_soon(self.flush)
+            self._conn.send(pb.TransferStreamResponse(answers=[answer]))
         self._changed()
 
     @property

@@ -26,8 +26,10 @@ def read_maker(agent: Any, local_memory: str, local_device: int, remote_name: st
     makes only NIXL calls (each of which lets go of the GIL), so a busy event loop delays
     the post less.
     """
-    local = np.stack([local_addr, length, np.full_like(length, local_device)], axis=1).astype(np.uint64)
-    remote = np.stack([remote_addr, length, np.full_like(length, remote_device)], axis=1).astype(np.uint64)
+    local = np.empty((length.size, 3), dtype=np.uint64)  # (address, length, device) rows
+    local[:, 0], local[:, 1], local[:, 2] = local_addr, length, local_device
+    remote = local.copy()
+    remote[:, 0], remote[:, 2] = remote_addr, remote_device
 
     def make() -> Any:
         ld = agent.get_xfer_descs(local, local_memory)

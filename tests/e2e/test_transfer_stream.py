@@ -247,9 +247,9 @@ async def test_shutdown_answers_running_transfers_then_ends_the_stream(monkeypat
             gate = asyncio.Event()
             run = d.decoder._run
 
-            async def held(req, deadline):
+            async def held(*args):
                 await gate.wait()
-                return await run(req, deadline)
+                return await run(*args)
 
             monkeypatch.setattr(d.decoder, "_run", held)
             pe.fill([[1]])
