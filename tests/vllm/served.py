@@ -21,6 +21,23 @@ import requests
 from tests.vllm.engines import ROOT, _free_port, assert_servers_gone
 
 
+def _group_states(pgid: int) -> dict[int, str]:
+    """pid -> state letter (/proc/<pid>/stat) of every live process in process group pgid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid:
+            out[int(entry)] = fields[0]
+    return out
+
+
 class Served:
     """One process group serving HTTP on a free port: `vllm serve` or the router."""
 
@@ -82,6 +99,21 @@ class Served:
 
     def signal(self, sig: signal.Signals) -> None:
         os.killpg(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            self._wait_stopped()
+
+    def _wait_stopped(self, timeout_s: float = 10.0) -> None:
+        """Until every process of the group (API server, engine core, workers with their kvsvc
+        servers) is stopped: the signal reaches each on its own time, and a test that goes on
+        while one still runs does not test a stopped engine."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running = [pid for pid, state in _group_states(self.proc.pid).items() if state not in "TtZX"]
+            if not running:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"processes {running} of group {self.proc.pid} did not stop")
+            time.sleep(0.01)
 
     def tail(self, n: int = 60) -> str:
         lines = [x for x in self.log.read_text(errors="replace").splitlines() if "Location 'file" not in x]
