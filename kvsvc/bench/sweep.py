@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import statistics
@@ -261,6 +262,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if info.layout.num_blocks < need:
                 raise SystemExit(f"kvsvc bench: the {side} server has {info.layout.num_blocks} blocks; this run "
                                  f"needs {need} (lower --max-mib)")
+        # As a server does (and an engine should) once started: what exists now lives as long
+        # as the run, and a full collection of it would stall the transfers in flight.
+        gc.collect()
+        gc.freeze()
         progress = Progress(2 * len(sizes) + 1 + 2 * len(concurrency) + 2, args.quiet)
         rng = np.random.default_rng(1)
         if t.p_pool is not None:
