@@ -56,58 +56,38 @@ class _Ended(Exception):
         self.error = error
 
 
-class _Stream:
-    """One open TransferStream call: transfers waiting for answers, a queue of what is to
-    be sent, and a reader that hands answers to their callers. Whoever has something to
-    send while no write is in flight writes, and keeps writing what others queued meanwhile."""
+class _Carrier:
+    """What both carriers of a TransferStream keep: the transfers waiting for answers, what
+    is queued to be sent, and how the stream ends."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self.pending: dict[str, asyncio.Future[pb.TransferAnswer]] = {}
         self.starts: list[pb.TransferCall] = []
         self.cancels: list[str] = []
-        self.writing = False
         self.ended = False
-        self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-transfer-stream")
 
-    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
+    def queue(self, start: pb.TransferCall | None, cancel: str | None) -> None:
         if self.ended:
             raise _Ended(None)
         if start is not None:
             self.starts.append(start)
         if cancel is not None:
             self.cancels.append(cancel)
-        if self.writing:
-            return  # the write in flight sends it next
-        self.writing = True
-        try:
-            while (self.starts or self.cancels) and not self.ended:
-                starts, self.starts = self.starts[:MAX_STREAM_CALLS], self.starts[MAX_STREAM_CALLS:]
-                cancels, self.cancels = self.cancels[:MAX_STREAM_CALLS], self.cancels[MAX_STREAM_CALLS:]
-                await self.call.write(pb.TransferStreamRequest(transfers=starts, cancel_request_ids=cancels))
-        except BaseException as e:
-            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
-            # so the stream ends (its transfers' outcomes are unknown, as for a lost call).
-            self._end(Unavailable("UNAVAILABLE", f"the TransferStream write failed: {type(e).__name__}"))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            self.writing = False
 
-    async def _read(self) -> None:
-        error: KvsvcError | None = None
-        try:
-            async for resp in self.call:
-                for answer in resp.answers:
-                    fut = self.pending.pop(answer.request_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(answer)
-        except grpc.aio.AioRpcError as e:
-            error = error_from_rpc(e)
-        except asyncio.CancelledError:
-            error = Unavailable("UNAVAILABLE", "the TransferStream was closed")
-        finally:
-            self._end(error)
+    def next_message(self) -> pb.TransferStreamRequest | None:
+        """The next message of what is queued (None: nothing, or the stream ended)."""
+        if self.ended or not (self.starts or self.cancels):
+            return None
+        starts, self.starts = self.starts[:MAX_STREAM_CALLS], self.starts[MAX_STREAM_CALLS:]
+        cancels, self.cancels = self.cancels[:MAX_STREAM_CALLS], self.cancels[MAX_STREAM_CALLS:]
+        return pb.TransferStreamRequest(transfers=starts, cancel_request_ids=cancels)
+
+    def answered(self, resp: pb.TransferStreamResponse) -> None:
+        for answer in resp.answers:
+            fut = self.pending.pop(answer.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(answer)
 
     def _end(self, error: KvsvcError | None) -> None:
         """In one step, without awaiting: nothing can join this stream after it ended."""
@@ -122,33 +102,64 @@ class _Stream:
         self.cancels.clear()
         self.call.cancel()
 
+
+class _Stream(_Carrier):
+    """One open TransferStream call, and a reader that hands answers to their callers.
+    Whoever has something to send while no write is in flight writes, and keeps writing
+    what others queued meanwhile."""
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(call)
+        self.writing = False
+        self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-transfer-stream")
+
+    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
+        self.queue(start, cancel)
+        if self.writing:
+            return  # the write in flight sends it next
+        self.writing = True
+        try:
+            while (msg := self.next_message()) is not None:
+                await self.call.write(msg)
+        except BaseException as e:
+            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
+            # so the stream ends (its transfers' outcomes are unknown, as for a lost call).
+            self._end(Unavailable("UNAVAILABLE", f"the TransferStream write failed: {type(e).__name__}"))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self.writing = False
+
+    async def _read(self) -> None:
+        error: KvsvcError | None = None
+        try:
+            async for resp in self.call:
+                self.answered(resp)
+        except grpc.aio.AioRpcError as e:
+            error = error_from_rpc(e)
+        except asyncio.CancelledError:
+            error = Unavailable("UNAVAILABLE", "the TransferStream was closed")
+        finally:
+            self._end(error)
+
     async def close(self) -> None:
         self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
 
 
-class _SocketStream:
+class _SocketStream(_Carrier):
     """One TransferStream on the transfer socket, as _Stream is on gRPC: what is to be sent
     in a loop turn goes out as one frame at its end (a callback: no caller's cancellation
     can cut a message in two), and answers are handed over as they are read."""
 
     def __init__(self, call: SocketCall) -> None:
-        self.call = call
-        self.pending: dict[str, asyncio.Future[pb.TransferAnswer]] = {}
-        self.starts: list[pb.TransferCall] = []
-        self.cancels: list[str] = []
+        super().__init__(call)
         self.flush_due = False
-        self.ended = False
         call.attach(self._deliver, self._end)
 
     async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
-        if self.ended:
-            raise _Ended(None)
-        if start is not None:
-            self.starts.append(start)
-        if cancel is not None:
-            self.cancels.append(cancel)
+        self.queue(start, cancel)
         if not self.flush_due:
             self.flush_due = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -156,32 +167,15 @@ class _SocketStream:
     def _flush(self) -> None:
         self.flush_due = False
         try:
-            while (self.starts or self.cancels) and not self.ended:
-                starts, self.starts = self.starts[:MAX_STREAM_CALLS], self.starts[MAX_STREAM_CALLS:]
-                cancels, self.cancels = self.cancels[:MAX_STREAM_CALLS], self.cancels[MAX_STREAM_CALLS:]
-                self.call.write_now(pb.TransferStreamRequest(transfers=starts, cancel_request_ids=cancels))
+            while (msg := self.next_message()) is not None:
+                self.call.write_now(msg)
         except Exception as e:
             self._end(Unavailable("UNAVAILABLE", f"the transfer socket write failed: {type(e).__name__}: {e}"))
 
     def _deliver(self, resp: pb.TransferStreamResponse) -> None:
-        for answer in resp.answers:
-            fut = self.pending.pop(answer.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(answer)
+        self.answered(resp)
         if resp.stream_error:
             self._end(_status_error(resp.stream_error, "the transfer socket's end"))
-
-    def _end(self, error: KvsvcError | None) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(_Ended(error))
-        self.pending.clear()
-        self.starts.clear()
-        self.cancels.clear()
-        self.call.cancel()
 
     async def close(self) -> None:
         self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))

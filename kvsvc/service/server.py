@@ -23,6 +23,7 @@ from kvsvc.discovery.registry import Registration, ServerRecord
 from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
 from kvsvc.service.lease_socket import LeaseSocket
+from kvsvc.service.local_socket import LocalSocket
 from kvsvc.service.node import Node
 from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.service.siblings import Siblings
@@ -156,27 +157,13 @@ async def create_server(
         # Same-host D servers carry their lease calls here (under TLS they stay on gRPC, with
         # the caller's certificate); offered in the handshake answer.
         lease_socket = LeaseSocket(servicer.lease_call, config.max_message_bytes, node.epoch)
-        try:
-            await lease_socket.start()
-        except OSError as e:  # an optimisation only: serve without it
-            log.warning("no lease socket (%s): D servers on this host will use the gRPC stream", e)
-        except BaseException:
-            await running.stop(0, drain_s=0)
-            raise
-        else:
+        if await _started(running, lease_socket, "D servers on this host"):
             running.lease_socket, node.lease_socket_path = lease_socket, lease_socket.path
     if creds is None and config.transfer_socket and config.role is not Role.PREFILL and node.data is not None:
         # This server's engine, on the same host, carries its transfers here (under TLS they
         # stay on gRPC, with the engine's certificate); offered in GetInfo.
         transfer_socket = TransferSocket(decoder, config.max_message_bytes, node.epoch)
-        try:
-            await transfer_socket.start()
-        except OSError as e:  # an optimisation only: serve without it
-            log.warning("no transfer socket (%s): the engine's transfers will use the gRPC stream", e)
-        except BaseException:
-            await running.stop(0, drain_s=0)
-            raise
-        else:
+        if await _started(running, transfer_socket, "the engine's transfers"):
             running.transfer_socket, node.transfer_socket_path = transfer_socket, transfer_socket.path
     if config.metrics_listen:
         try:
@@ -192,6 +179,20 @@ async def create_server(
             await running.stop(0, drain_s=0)
             raise
     return running, port
+
+
+async def _started(running: RunningServer, sock: LocalSocket, users: str) -> bool:
+    """Start a same-host socket; False (a warning, the server serves without it: it is an
+    optimisation only) when the temp dir cannot hold it."""
+    try:
+        await sock.start()
+    except OSError as e:
+        log.warning("no %s (%s): %s will use gRPC", sock.name, e, users)
+        return False
+    except BaseException:
+        await running.stop(0, drain_s=0)
+        raise
+    return True
 
 
 async def _register(config: ServerConfig, node: Node) -> Registration:

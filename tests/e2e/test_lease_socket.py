@@ -81,6 +81,7 @@ async def test_a_server_that_cannot_make_its_socket_serves_without_one(monkeypat
     monkeypatch.setattr(tempfile, "tempdir", "/nonexistent-kvsvc-tmp")  # mkdtemp fails there
     async with in_process_pair("ls") as (p, d):
         assert p.lease_socket is None and p.node.lease_socket_path == ""
+        assert d.transfer_socket is None and d.node.transfer_socket_path == ""  # nor D's
         monkeypatch.undo()
         await transfers(p, d, ("notmp-0", 3, 10))
         assert await d_lease_carriers(d) == ["grpc"]
