@@ -78,7 +78,14 @@ async def test_without_a_socket_lease_calls_go_over_grpc():
 async def test_a_server_that_cannot_make_its_socket_serves_without_one(monkeypatch):
     import tempfile
 
-    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent-kvsvc-tmp")  # mkdtemp fails there
+    mkdtemp = tempfile.mkdtemp
+
+    def no_room(*args, prefix=None, **kwargs):  # kvsvc's socket directories only: NIXL's own use works
+        if prefix and prefix.startswith("kvsvc-"):
+            raise FileNotFoundError("no room in the temp dir")
+        return mkdtemp(*args, prefix=prefix, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_room)
     async with in_process_pair("ls") as (p, d):
         assert p.lease_socket is None and p.node.lease_socket_path == ""
         assert d.transfer_socket is None and d.node.transfer_socket_path == ""  # nor D's
