@@ -10,8 +10,9 @@ stream when not.
 Each connection is one TransferStream: a TransferStreamSession (service/transfer_stream.py)
 runs its transfers, with the same checks, jobs, answers and limits. What differs is the
 carrier:
-- frames are taken inside the callback that read them, and the answers of a loop turn
-  go out as one frame at its end (no task, no extra turn per message);
+- frames are taken inside the callback that read them (no task, no extra turn per
+  message); the first answer of a loop turn is written at once, the turn's later ones
+  together at its end;
 - an error that ends the stream (a frame that does not parse or has too many calls,
   shutdown) is sent as TransferStreamResponse.stream_error, then the socket closes;
 - a caller that stops reading has its connection's reading paused once its unsent
