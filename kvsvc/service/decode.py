@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from opentelemetry import trace
@@ -65,6 +65,8 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # A failed transfer cancels its READs and waits for every one to end before it answers
 # (D's blocks must not be written after the caller was told they are invalid); past
 # this long it says so in the log and keeps waiting.
@@ -78,6 +80,12 @@ MIN_DEADLINE_MARGIN_S = 0.05
 MAX_DEADLINE_MARGIN_S = 1.0
 # A Transfer called without a deadline still ends.
 NO_DEADLINE_S = 600.0
+
+# How long D goes on telling P that a failed transfer let go (after its answer, when P
+# did not answer in time).
+ABORT_TIMEOUT_S = 2.0
+# How long P's answers are waited for when the READs settled after the answer was due.
+LATE_ANSWER_WAIT_S = 0.2
 
 # How a failed READ is reported (NixlDataPlane's post errors and _all_read's).
 READ_FAILURES = ("TRANSFER_FAILED", "NIXL_ERROR")
@@ -156,6 +164,28 @@ async def _claim_refusal(claimed: asyncio.Future[None], timeout_s: float) -> Cla
     return None
 
 
+async def _to_the_end(coro: Coroutine[Any, Any, T]) -> T:
+    """coro's result, running it to its end even when the caller is cancelled meanwhile
+    (the caller's cancel is then dropped: what it would have stopped is a settlement)."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
+    return task.result()
+
+
+def _answer_by(deadline: float) -> float:
+    """When a failed transfer's answer is due: its deadline (the caller's less the margin) plus
+    half the least margin, the other half left for the answer to reach the caller."""
+    return deadline + MIN_DEADLINE_MARGIN_S / 2
+
+
+def _until(t: float) -> float:
+    return max(0.0, t - time.monotonic())
+
+
 def _record(recorded: list[Callable[[], None]]) -> None:
     for record in recorded:
         record()
@@ -223,13 +253,9 @@ class Decoder:
         waits for it; the job then settles its READs and tells P to let go.
         """
         job = self.join(req, time_remaining_s, trace_ctx)
-        assert job.task is not None
         try:
-            await asyncio.shield(job.task)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # this caller was cancelled, not the job
+            if not job.settled.is_set():
+                await job.settled.wait()  # a cancel here is this caller's, never the job's
         finally:
             self.leave(job)
         return self.outcome(job)
@@ -267,14 +293,9 @@ class Decoder:
 
     @staticmethod
     def outcome(job: Job) -> pb.TransferResponse:
-        """A finished job's response, or the error it ended with."""
-        assert job.task is not None and job.task.done()
-        if job.task.cancelled():
-            # A retry joined a transfer whose first caller gave up: say so, typed and settled.
-            raise KvsvcError("TRANSFER_CANCELLED", f"request {job.request_id!r} was cancelled by an earlier "
-                             "caller; use a new request id to try again", {"request_id": job.request_id},
-                             code=ErrorCode.CANCELLED, details=[pb.TransferFailure()])
-        return job.task.result()
+        """A finished job's response, or the error it ended with (a cancelled one: a retry joined
+        a transfer whose first caller gave up, said typed and settled)."""
+        return job.answer()
 
     async def given_up(self, request_id: str) -> bool:
         """After a caller gave up waiting for request_id's transfer: wait until nothing of it
@@ -460,20 +481,10 @@ class Decoder:
                 recorded.append(functools.partial(self.node.metrics.lease_call, "confirm",
                                                   time.perf_counter() - confirm_sent))
         except BaseException as e:
-            # A cancelled or lost claim may have gone through: abort it like any failure. A
-            # refused one is P's answer to pass on (it explains a READ that failed alongside,
-            # e.g. from a P that restarted), once the READs it raced with settled.
-            if reads_done is not None and reads_done.done() and not reads_done.cancelled():
-                reads_done.exception()  # a failed READ: raised above or superseded by err
-            err = e.error if isinstance(e, ClaimRefused) else e
-            if claimed is None and isinstance(e, KvsvcError) and e.reason in READ_FAILURES:
-                # A READ failed before any claim: P's answer explains it better (a P that
-                # restarted says LEASE_EXPIRED), and a granted claim is aborted below.
-                claimed = self._claim(legs, own, deadline, span, clock)
-            if claimed is not None and not isinstance(e, (ClaimRefused, asyncio.CancelledError)):
-                refused = await _claim_refusal(claimed, self._rpc_timeout(deadline))
-                err = refused.error if refused is not None else e
-            final = await self._fail(legs, own, posted, err, deadline, claimed)
+            # Run to its end even if the job is cancelled meanwhile: the job ends (and its
+            # request is reported settled) only once no READ of it can still write.
+            final = await _to_the_end(self._failed(e, legs, own, posted, deadline, claimed, reads_done,
+                                                   span, clock))
             if final is e:
                 raise
             raise final from None if isinstance(e, ClaimRefused) else e
@@ -524,9 +535,12 @@ class Decoder:
         return max(0.05, min(self.node.config.peer_timeout_s, deadline - time.monotonic()))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._keep(asyncio.get_running_loop().create_task(coro))
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        """Hold a background task until it ends (close() waits for them)."""
+        self._background.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
 
     async def _abort_unpaired(self, p: pb.TransferParams) -> None:
         """Best-effort ABORTED (with the lease token) to every P server of a request we could not
@@ -536,6 +550,27 @@ class Decoder:
         for address, answer in answers.items():
             if not answer.startswith("LEASE_STATE_"):
                 log.warning("could not tell %s that %s was refused: %s", address, p.remote_request_id, answer)
+
+    async def _failed(self, e: BaseException, legs: list[Leg], own: Ownership, posted: list[Posted],
+                      deadline: float, claimed: asyncio.Future[None] | None,
+                      reads_done: asyncio.Future[None] | None, span: trace.Span, clock: Clock) -> BaseException:
+        """The one failure path of a transfer whose READs may have been posted: the error to raise.
+
+        A cancelled or lost claim may have gone through: it is aborted like any failure. A
+        refused one is P's answer to pass on (it explains a READ that failed alongside, e.g.
+        from a P that restarted), once the READs it raced with settled.
+        """
+        if reads_done is not None and reads_done.done() and not reads_done.cancelled():
+            reads_done.exception()  # a failed READ: raised above or superseded by err
+        err = e.error if isinstance(e, ClaimRefused) else e
+        if claimed is None and isinstance(e, KvsvcError) and e.reason in READ_FAILURES:
+            # A READ failed before any claim: P's answer explains it better (a P that
+            # restarted says LEASE_EXPIRED), and a granted claim is aborted in _fail.
+            claimed = self._claim(legs, own, deadline, span, clock)
+        if claimed is not None and not isinstance(e, (ClaimRefused, asyncio.CancelledError)):
+            refused = await _claim_refusal(claimed, min(self._rpc_timeout(deadline), _until(_answer_by(deadline))))
+            err = refused.error if refused is not None else e
+        return await self._fail(legs, own, posted, err, deadline, claimed)
 
     async def _fail(self, legs: list[Leg], own: Ownership, posted: list[Posted], err: BaseException,
                     deadline: float, claimed: asyncio.Future[None] | None = None) -> BaseException:
@@ -548,24 +583,39 @@ class Decoder:
         unsettled = [x.flight for x in posted if not x.flight.settled.is_set()]
         if unsettled:
             # Cancel what NIXL can, then wait for every READ to end: D's blocks must not be
-            # written after the caller was told the transfer failed. Never given up on.
-            await asyncio.shield(self.node.require_data_plane("Transfer").abort(unsettled))
+            # written after the caller was told the transfer failed. Never given up on (this
+            # runs under _to_the_end: a cancel of the job does not reach it).
+            await self.node.require_data_plane("Transfer").abort(unsettled)
             waited = asyncio.gather(*(f.settled.wait() for f in unsettled))
             try:
-                await asyncio.shield(asyncio.wait_for(asyncio.shield(waited), DRAIN_WARN_S))
+                await asyncio.wait_for(asyncio.shield(waited), DRAIN_WARN_S)
             except TimeoutError:
                 log.error("READs of %s still in flight after %.0f s", own.params.remote_request_id, DRAIN_WARN_S)
-                await asyncio.shield(waited)
-            except asyncio.CancelledError:
-                await asyncio.shield(waited)
-        timeout = max(0.2, min(2.0, deadline + MIN_DEADLINE_MARGIN_S - time.monotonic()))
+                await waited
+        # The READs settled: from here on only P's answers are waited for, and only until
+        # the answer is due (the caller's deadline less the margin's last half), so a P
+        # that stalls cannot turn the typed answer into a bare DEADLINE_EXCEEDED. What P has
+        # not answered by then is told on in the background.
+        answer_by = _answer_by(deadline)
+        if time.monotonic() >= answer_by:
+            # READs that outlived the deadline made the answer late anyway (the caller asks
+            # WaitTransfer): P gets a short while to confirm, for remote_notified.
+            answer_by = time.monotonic() + LATE_ANSWER_WAIT_S
         if claimed is not None and not claimed.done():
             # Learn whether P granted or refused the claim (refused: no abort owed); one
             # still unanswered stays "sent" and is aborted like a granted one.
-            await asyncio.wait([claimed], timeout=timeout)
+            await asyncio.wait([claimed], timeout=_until(answer_by))
         if claimed is not None and claimed.done() and not claimed.cancelled():
             claimed.exception()  # its error is err's cause or was already raised; seen here either way
-        notified, gone = await abort_all(legs, own, timeout)
+        aborting = asyncio.ensure_future(abort_all(legs, own, ABORT_TIMEOUT_S))
+        await asyncio.wait([aborting], timeout=_until(answer_by))
+        if aborting.done():
+            notified, gone = aborting.result()
+        else:
+            self._keep(aborting)
+            # Not answered in time: not known to be told; for a failed READ, a P that does
+            # not answer is taken as gone (as one that answered UNAVAILABLE is).
+            notified, gone = False, [leg.peer.address for leg in legs]
         failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
         final: BaseException = err
         p_unreachable = isinstance(err, KvsvcError) and err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"

@@ -151,9 +151,8 @@ class TransferStreamSession:
         except KvsvcError as e:
             log.info("TransferStream transfer %s failed: %s", clip(request_id, 64), clip(str(e), 300))
             return self._answer(_error_answer(request_id, e))
-        assert job.task is not None
         self._running[request_id] = job
-        job.task.add_done_callback(lambda _t: self._finished(request_id, job))
+        job.on_done(lambda done: self._finished(request_id, done))
 
     def _time_remaining(self, call: pb.TransferCall) -> float | None:
         """The transfer's own deadline or the stream's, whichever is sooner (None: neither)."""

@@ -341,8 +341,8 @@ async def test_a_transfer_given_up_before_its_job_ran_still_frees_the_lease():
             job = d.decoder.join(req, 30.0)
             d.decoder.leave(job)  # in the same turn: the job has not taken a step yet
             assert job.task is not None
-            await asyncio.wait([job.task], timeout=30)
-            assert job.task.cancelled()
+            await asyncio.wait_for(job.settled.wait(), 30)
+            assert job.failed is not None and job.failed.cancelled
             assert await live_leases_reach_zero(pc) == 0
             state = await d.decoder.jobs.wait("d-early", 0)
             assert state.state == pb.TRANSFER_STATE_FAILED

@@ -232,3 +232,79 @@ async def test_reads_past_an_unrenewed_lease_fail(decoder):
     with pytest.raises(FailedPrecondition) as e:
         await task
     assert e.value.reason == "LEASE_EXPIRED"
+
+
+class SlowAbortData(FakeData):
+    """A data plane whose cancel takes a while and whose READs outlive their post (as over
+    RDMA): a cancel of the job that lands meanwhile must not end it before they settled."""
+
+    async def abort(self, flights: list[InFlight]) -> None:
+        self.aborted.extend(flights)
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("cancel_after_s", [0.0, 0.02, 0.06, 0.1])
+async def test_a_cancel_on_the_failure_path_still_waits_for_the_reads(decoder, cancel_after_s):
+    dec, client, _ = decoder
+    data = SlowAbortData()
+    dec.node.data = data  # type: ignore[assignment]
+    client.data = data
+    client.claim_behaviour = "hang"
+    task = asyncio.ensure_future(dec.transfer(request(), 0.1))  # fails at its deadline, READs still running
+    await posted(data)
+    await asyncio.sleep(0.09 + cancel_after_s)  # then the caller cancels, somewhere on the failure path
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, KvsvcError):
+        await task
+    job = dec.jobs.find("d-side-id")
+    assert job is not None
+    settle_later(data, 0.3)
+    state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
+    assert state.state == pb.TRANSFER_STATE_FAILED
+    assert all(f.settled.is_set() for f in data.flights), "reported settled while a READ could still write"
+
+
+class StalledPeerClient(FakePeerClient):
+    """A P server that takes calls and never answers (SIGSTOPped): each call ends at its timeout."""
+
+    async def claim_lease(self, req, timeout_s: float = 10.0, **kw):
+        await asyncio.sleep(timeout_s)
+        raise DeadlineExceeded("DEADLINE_EXCEEDED", "no answer")
+
+    async def notify(self, req, timeout_s: float = 10.0, **kw):
+        self.notified.append(req)
+        self.settled_when_notified.append(all(f.settled.is_set() for f in self.data.flights))
+        await asyncio.sleep(timeout_s)
+        raise DeadlineExceeded("DEADLINE_EXCEEDED", "no answer")
+
+
+@pytest.mark.parametrize("deadline_s", [0.3, 1.0])
+async def test_a_stalled_p_still_gets_a_typed_settled_answer_before_the_deadline(decoder, deadline_s):
+    """The READs end at once but P never answers the claim: the answer (with TransferFailure,
+    remote_notified false) comes before the caller's deadline, and P is told in the background."""
+    dec, _, data = decoder
+    stalled = StalledPeerClient()
+    stalled.data = data
+    regions = build_pool_layout(dec.node.layout).regions
+    peer = Peer("p:1", "P", 42, Side.of(dec.node.layout, 1),
+                {0: RemoteRank(0, "P/r0", [(1 << 30) + r.pool_offset for r in regions])}, stalled)  # type: ignore[arg-type]
+
+    @contextlib.asynccontextmanager
+    async def use(address, engine, epoch):
+        yield peer
+
+    dec.peers.use = use  # type: ignore[method-assign]
+    task = asyncio.ensure_future(dec.transfer(request(), deadline_s))
+    await posted(data)
+    complete_later(data, 0.0)
+    try:
+        async with asyncio.timeout(deadline_s):  # the caller's own deadline
+            await task
+    except KvsvcError as e:
+        failure = [d for d in e.details if isinstance(d, pb.TransferFailure)]
+        assert failure and not failure[0].remote_notified, e
+    else:
+        raise AssertionError("a transfer whose claim was never answered succeeded")
+    assert all(f.settled.is_set() for f in data.flights)
+    await asyncio.sleep(0.05)
+    assert [n.kind for n in stalled.notified] == [pb.NOTIFY_KIND_ABORTED], "P is still told to let go"
