@@ -304,7 +304,7 @@ class TransferJobs:
     def _prune(self) -> None:
         horizon = time.monotonic() - self.history_s
         while self._fences:
-            key, made = next(iter(self._fences.items()))
+            made = next(iter(self._fences.values()))
             if made > horizon:
                 break
             self._fences.popitem(last=False)
