@@ -73,7 +73,7 @@ class ShmPool(Pool):
         SIGBUS on the first write into a page it cannot back.
         """
         t0 = time.perf_counter()
-        fd = os.open(f"/dev/shm/{self.shm_name.lstrip('/')}", os.O_RDWR)
+        fd = os.open(f"/dev/shm/{self.shm_name.lstrip('/')}", os.O_RDWR | os.O_NOFOLLOW)
         try:
             os.posix_fallocate(fd, 0, self.size_bytes)
         except OSError as e:

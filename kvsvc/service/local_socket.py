@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvsvc.client.framing import SOCKET_DIR_PREFIX, SOCKET_NAMES, split_frames
+from kvsvc.tempdirs import temp_root
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ _DIR_NAME = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"[0-9a-f]{8}-[a-z0-9_]{8}
 
 def remove_stale_dirs(root: str | None = None, min_age_s: float = STALE_AFTER_S) -> int:
     """Remove the socket directories of servers that are gone (see STALE_AFTER_S); how many went."""
-    root = root or tempfile.gettempdir()
+    root = root or temp_root()
     removed = 0
+    if root is None:
+        return 0
     try:
         entries = list(os.scandir(root))
     except OSError:

@@ -8,31 +8,56 @@ This is how a silent fallback of READs to TCP becomes visible in GetInfo.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
+
+from kvsvc.tempdirs import temp_root
+
+log = logging.getLogger(__name__)
 
 _OPS = (("remote memory read", "rma_get"), ("remote memory write", "rma_put"), ("active message", "am"))
 _ROW = re.compile(r"\|\s*[\d.]+(?:\.\.[\w.]+)?\s*\|[^|]*\|\s*([^|]+?)\s*\|")
 
 
 _OWNER = "KVSVC_UCX_LOG_OWNER"
+# kvsvc-ucx-<pid>-<mkdtemp suffix> (a directory), or kvsvc-ucx-<pid>.log (older versions' file).
+_ORPHAN = re.compile(r"kvsvc-ucx-(\d+)(?:-([a-z0-9_]+)|\.log)")
+
+
+LOG_DIR_PREFIX = "kvsvc-ucx-"
+LOG_NAME = "ucx.log"
 
 
 def enable_protocol_log() -> Path | None:
-    """Route UCX's protocol selection to a private file; None when the operator set UCX logging.
+    """Route UCX's protocol selection to a private file; None when the operator set UCX logging
+    or no private directory can be made (then GetInfo lists no transports, nothing else changes).
 
-    The settings are marked as kvsvc's own, so a child process (a server started by a
-    test or the demo) that inherits them takes a file of its own instead of leaving
-    them alone as if an operator had set them.
+    The file lies in a directory of its own, made with mkdtemp (a new name, mode 0700), so no
+    other local user can plant a link where UCX will write (UCX opens the file by name,
+    following links, as root on many hosts). The settings are marked as kvsvc's own, so a
+    child process (a server started by a test or the demo) that inherits them takes a file
+    of its own instead of leaving them alone as if an operator had set them.
     """
     inherited = os.environ.get(_OWNER) not in (None, str(os.getpid()))
     if not inherited and ("UCX_PROTO_INFO" in os.environ or "UCX_LOG_FILE" in os.environ):
         return None if _OWNER not in os.environ else Path(os.environ["UCX_LOG_FILE"])
     remove_orphan_logs()
-    path = Path(tempfile.gettempdir()) / f"kvsvc-ucx-{os.getpid()}.log"
+    try:
+        directory = tempfile.mkdtemp(prefix=f"{LOG_DIR_PREFIX}{os.getpid()}-")
+    except OSError as e:
+        log.warning("no private directory for UCX's protocol log in %s (%s): GetInfo will list no UCX "
+                    "transports", temp_root() or "any temp dir", e)
+        for name in ("UCX_PROTO_INFO", "UCX_LOG_FILE", _OWNER):
+            if inherited:
+                os.environ.pop(name, None)
+        return None
+    path = Path(directory) / LOG_NAME
     os.environ["UCX_PROTO_INFO"] = "y"
     os.environ["UCX_LOG_FILE"] = str(path)
     os.environ[_OWNER] = str(os.getpid())
@@ -74,13 +99,35 @@ def _flush_stdio() -> None:
 
 
 def remove_orphan_logs() -> list[Path]:
-    """Delete the logs of kvsvc processes that died without cleaning up (kill -9); returns them."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob("kvsvc-ucx-*.log"):
-        pid = path.stem.removeprefix("kvsvc-ucx-")
-        if not pid.isdigit() or _alive(int(pid)):
+    """Delete the logs of kvsvc processes that died without cleaning up (kill -9); returns them.
+
+    Only this user's directories (looked at without following links) of processes that
+    are gone, holding nothing but the log; and the single files of older kvsvc versions.
+    """
+    removed: list[Path] = []
+    where = temp_root()
+    if where is None:
+        return removed
+    root = Path(where)
+    for path in root.glob(f"{LOG_DIR_PREFIX}*"):
+        m = _ORPHAN.fullmatch(path.name)
+        if m is None or _alive(int(m.group(1))):
             continue
-        path.unlink(missing_ok=True)
+        try:
+            st = path.lstat()
+            if st.st_uid != os.getuid():
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if m.group(2) is None or any(n != LOG_NAME for n in os.listdir(path)):
+                    continue
+                (path / LOG_NAME).unlink(missing_ok=True)
+                path.rmdir()
+            elif stat.S_ISREG(st.st_mode) and m.group(2) is None:
+                path.unlink()  # an older version's single file
+            else:
+                continue
+        except OSError:
+            continue  # raced with its owner or another cleaner: leave it
         removed.append(path)
     return removed
 
@@ -96,5 +143,9 @@ def _alive(pid: int) -> bool:
 
 
 def remove_log(path: Path | None) -> None:
-    if path is not None:
-        path.unlink(missing_ok=True)
+    """Remove this process's log and its private directory (never an operator's file)."""
+    if path is None or path.name != LOG_NAME or not path.parent.name.startswith(LOG_DIR_PREFIX):
+        return
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()

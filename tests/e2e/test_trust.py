@@ -12,6 +12,8 @@ import asyncio
 import os
 import random
 import signal
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -311,18 +313,55 @@ async def test_sigterm_drains_claimed_leases_first():
         p.stop()
 
 
+def _ucx_logs(pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"kvsvc-ucx-{pid}-*"))
+
+
 def test_killed_servers_leave_no_ucx_logs():
     """Item 7: a server killed with -9 cannot clean up; the next one to start removes its log."""
     victim = start_server(engine_id="log-victim", role="both", tp_size=1, layout=SMALL)
     victim.kill()
     victim.stop()  # only closes its pipes: it is dead already
-    log = Path(f"/tmp/kvsvc-ucx-{victim.proc.pid}.log")
-    assert log.exists()
+    (log_dir,) = _ucx_logs(victim.proc.pid)
+    assert log_dir.is_dir() and stat.S_IMODE(log_dir.stat().st_mode) == 0o700
     nxt = start_server(engine_id="log-next", role="both", tp_size=1, layout=SMALL)
     try:
-        assert not log.exists()
+        assert not log_dir.exists()
     finally:
         nxt.stop()
+    assert not _ucx_logs(nxt.proc.pid), "a server that stops removes its own log"
+
+
+def test_a_planted_link_at_the_ucx_log_path_is_never_written_through(tmp_path):
+    """Round three, 2: the UCX log's name was predictable (<tmp>/kvsvc-ucx-<pid>.log), so a
+    local user could plant a link there and have the server overwrite its target. Links
+    planted at every name the server could use, old and new, are left as they are, and so
+    are their targets."""
+    target = tmp_path / "victim-file"
+    target.write_text("precious")
+    planted: list[Path] = []
+    root = Path(tempfile.gettempdir())
+    pid_guess = os.getpid() + 1
+    for pid in range(pid_guess, pid_guess + 64):  # the next pids: the server's is among them
+        for name in (f"kvsvc-ucx-{pid}.log", f"kvsvc-ucx-{pid}-planted"):
+            link = root / name
+            if not link.exists() and not link.is_symlink():
+                link.symlink_to(target if name.endswith(".log") else tmp_path)
+                planted.append(link)
+    try:
+        sp = start_server(engine_id="log-link", role="both", tp_size=1, layout=SMALL)
+        try:
+            assert target.read_text() == "precious", "the server wrote through a planted link"
+            (own,) = [p for p in _ucx_logs(sp.proc.pid) if not p.is_symlink()]
+            assert own.is_dir() and not own.is_symlink() and stat.S_IMODE(own.lstat().st_mode) == 0o700
+        finally:
+            assert sp.stop() == 0
+        assert target.read_text() == "precious"
+        assert list(tmp_path.iterdir()) == [target], "nothing was written through a planted directory link"
+        assert all(link.is_symlink() for link in planted), "a planted link was removed or replaced"
+    finally:
+        for link in planted:
+            link.unlink(missing_ok=True)
 
 
 async def test_decode_engine_split_over_two_servers_claims_disjoint_ranks():
