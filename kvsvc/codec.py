@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from kvsvc.errors import FieldViolation, InvalidArgument
 from kvsvc.layout.engine import EngineLayout, KVCacheGroup, KvMemoryLayout, RegionLayout
 from kvsvc.layout.regions import Region, RegionKind
@@ -179,8 +181,9 @@ def region_to_proto(r: Region, base_address: int = 0) -> pb.RegionInfo:
     )
 
 
-def block_ids_to_proto(ids_per_group: Iterable[Sequence[int]]) -> list[pb.BlockIds]:
-    return [pb.BlockIds(block_ids=[int(b) for b in ids]) for ids in ids_per_group]
+def block_ids_to_proto(ids_per_group: Iterable[Sequence[int] | np.ndarray]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(block_ids=ids.tolist() if isinstance(ids, np.ndarray) else [int(b) for b in ids])
+            for ids in ids_per_group]
 
 
 def block_ids_from_proto(msgs: Sequence[pb.BlockIds]) -> list[list[int]]:

@@ -74,7 +74,11 @@ class ServerConfig:
     """On SIGTERM, how long a prefill server waits for claimed leases (D may be reading)
     to be consumed or aborted before it stops, seconds. New publishes are refused meanwhile."""
     max_live_leases: int = 65_536
-    """Most leases a prefill server keeps at once; PublishBlocks beyond is RESOURCE_EXHAUSTED."""
+    """Most leases a prefill server keeps at once; PublishBlocks beyond is RESOURCE_EXHAUSTED
+    (TOO_MANY_LEASES)."""
+    max_leased_blocks: int = 16 * 1024 * 1024
+    """Most block ids a prefill server's live leases hold together (4 bytes each: 64 MiB at
+    the default); PublishBlocks beyond is RESOURCE_EXHAUSTED (TOO_MANY_LEASED_BLOCKS)."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
@@ -186,7 +190,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
                     "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen", "otlp_endpoint", "etcd_prefix"):
             if key in srv:
                 kw[key] = str(srv[key])
-        for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases", "etcd_ttl_s", "copy_threads"):
+        for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases", "etcd_ttl_s", "copy_threads",
+                    "max_leased_blocks"):
             if key in srv:
                 kw[key] = int(srv[key])
         for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):

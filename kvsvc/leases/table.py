@@ -10,6 +10,7 @@ duplicate notifications get the final state.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import hashlib
 import heapq
@@ -30,6 +31,12 @@ from kvsvc.mapping.topology import tp_ratio
 log = logging.getLogger(__name__)
 
 TOMBSTONES_MAX = 100_000
+# What a release costs a subscriber beyond its block ids (the object, its arrays' headers,
+# the queue's slot), bytes.
+RELEASE_OVERHEAD_BYTES = 512
+# Most bytes of releases held for one WatchReleases subscriber that does not read; past it
+# the subscriber is ended (WATCH_BEHIND) and what it held is freed.
+MAX_WATCH_BACKLOG_BYTES = 64 * 1024 * 1024
 
 
 class LeaseState(enum.Enum):
@@ -68,7 +75,7 @@ class Lease:
     """
 
     request_id: str
-    block_ids: list[list[int]]
+    block_ids: list[np.ndarray]  # uint32 per group: 4 bytes an id (a list of ints costs ~36)
     epoch: int
     expires_at: float
     token: str
@@ -93,12 +100,23 @@ class Tombstone:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """A released request, as WatchReleases reports it."""
+    """A released request, as WatchReleases reports it.
+
+    free_block_ids: the released blocks no other live lease holds (the same block may sit in
+    two leases, e.g. a prefix two requests share): what an engine may reuse now.
+    """
 
     request_id: str
     reason: LeaseState
-    block_ids: list[list[int]]
+    block_ids: list[np.ndarray]
     released_unix_ms: int
+    free_block_ids: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """What this release holds while it waits for a subscriber (the subscriber's share)."""
+        return RELEASE_OVERHEAD_BYTES + len(self.request_id) + sum(
+            a.nbytes for a in (*self.block_ids, *self.free_block_ids))
 
 
 def _unix_ms() -> int:
@@ -113,7 +131,7 @@ def new_lease_token() -> str:
     return secrets.token_hex(16)
 
 
-def blocks_digest(block_ids: Sequence[Sequence[int]], num_tokens: int) -> bytes:
+def blocks_digest(block_ids: Sequence[Sequence[int] | np.ndarray], num_tokens: int) -> bytes:
     """What a lease holds, as ClaimLeaseRequest.blocks_digest spells it (BLAKE2b-128 over
     num_tokens, then per group its count and its ids, each 8 bytes little-endian)."""
     h = hashlib.blake2b(digest_size=16)
@@ -147,10 +165,14 @@ class LeaseTable:
     on_release: Callable[[LeaseState], None] = lambda reason: None
     max_live: int = 65_536
     dcp_size: int = 1
+    max_leased_blocks: int = 16 * 1024 * 1024  # block ids across live leases (4 bytes each)
+    watch_backlog_bytes: int = MAX_WATCH_BACKLOG_BYTES
     _live: dict[str, Lease] = field(default_factory=dict)
+    _leased_blocks: int = 0
+    _holders: list[np.ndarray] = field(default_factory=list)  # per group: live leases holding each block
     _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
     _heap: list[tuple[float, str]] = field(default_factory=list)
-    _watchers: set[asyncio.Queue[Release]] = field(default_factory=set)
+    _watchers: set[Subscription] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _reaper: asyncio.Task[None] | None = None
     _claimed: int = 0
@@ -172,7 +194,7 @@ class LeaseTable:
                 pass
             self._reaper = None
         for w in list(self._watchers):
-            w.put_nowait(_END)
+            w.end()
 
     async def drain(self, timeout_s: float) -> int:
         """Stop taking publishes and wait (at most timeout_s) until no lease is claimed.
@@ -205,17 +227,54 @@ class LeaseTable:
             raise KvsvcError("TOO_MANY_LEASES", f"{len(self._live)} leases are live, the most this server keeps; "
                              "wait for releases", {"live_leases": len(self._live), "max_live_leases": self.max_live},
                              code=ErrorCode.RESOURCE_EXHAUSTED)
+        blocks = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
+        count = sum(int(a.size) for a in blocks)
+        if self._leased_blocks + count > self.max_leased_blocks:
+            raise KvsvcError("TOO_MANY_LEASED_BLOCKS", f"{self._leased_blocks} block ids are leased, and {count} "
+                             f"more would pass the most this server keeps ({self.max_leased_blocks}); wait for "
+                             "releases", {"leased_blocks": self._leased_blocks, "asked": count,
+                                          "max_leased_blocks": self.max_leased_blocks},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
         ttl = self.default_ttl_s if not ttl_s else ttl_s
         if ttl > self.max_ttl_s:
             raise InvalidArgument("LEASE_TTL_TOO_LONG", f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
                                   f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
                                                                     "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
         self._dead.pop(request_id, None)
-        lease = Lease(request_id, block_ids, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
-                      digest=blocks_digest(block_ids, num_tokens))
+        lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
+                      digest=blocks_digest(blocks, num_tokens))
         self._live[request_id] = lease
+        self._hold(blocks, +1)
         self._schedule(lease)
         return lease
+
+    @property
+    def leased_blocks(self) -> int:
+        """Block ids held by live leases (a block in two leases counts twice)."""
+        return self._leased_blocks
+
+    def _hold(self, blocks: list[np.ndarray], delta: int) -> None:
+        """Count (delta +1) or uncount (-1) a lease's blocks in the per-block holder counts."""
+        while len(self._holders) < len(blocks):
+            self._holders.append(np.zeros(0, dtype=np.int32))
+        for g, ids in enumerate(blocks):
+            if not ids.size:
+                continue
+            need = int(ids.max()) + 1
+            if need > self._holders[g].size:  # grows to the largest block id seen (the pool's size)
+                grown = np.zeros(max(need, 2 * self._holders[g].size), dtype=np.int32)
+                grown[:self._holders[g].size] = self._holders[g]
+                self._holders[g] = grown
+            np.add.at(self._holders[g], ids, delta)  # add.at: a block listed twice counts twice
+            self._leased_blocks += delta * int(ids.size)
+
+    def _now_free(self, blocks: list[np.ndarray]) -> list[np.ndarray]:
+        """Of a released lease's blocks (already uncounted), those no live lease holds, sorted."""
+        out = []
+        for g, ids in enumerate(blocks):
+            unique = np.unique(ids)
+            out.append(unique[self._holders[g][unique] == 0] if unique.size else unique)
+        return out
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
               d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
@@ -358,10 +417,11 @@ class LeaseTable:
         return heapq.nsmallest(limit, alive, key=lambda lease: lease.expires_at)
 
     def subscribe(self) -> Subscription:
-        """Releases from this moment on (registered before this returns), until close()."""
-        q: asyncio.Queue[Release] = asyncio.Queue()
-        self._watchers.add(q)
-        return Subscription(q, self._watchers)
+        """Releases from this moment on (registered before this returns), until close(), or
+        until the subscriber falls watch_backlog_bytes behind (then SubscriberBehind)."""
+        sub = Subscription(self._watchers, self.watch_backlog_bytes)
+        self._watchers.add(sub)
+        return sub
 
     # ---- internals ------------------------------------------------------------------
 
@@ -404,6 +464,7 @@ class LeaseTable:
         lease.state = reason
         lease.released_unix_ms = _unix_ms()
         self._live.pop(lease.request_id, None)
+        self._hold(lease.block_ids, -1)
         # A tombstone keeps the final state only: block lists of released leases would
         # otherwise pile up (a 100k-entry history of long requests is gigabytes).
         self._dead[lease.request_id] = Tombstone(reason, lease.released_unix_ms)
@@ -413,9 +474,12 @@ class LeaseTable:
         if not announce:  # never handed out: the engine hears of it from its failed publish
             return
         self.on_release(reason)
-        ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms)
-        for w in self._watchers:
-            w.put_nowait(ev)
+        if not self._watchers:
+            return
+        ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms,
+                     self._now_free(lease.block_ids))
+        for w in list(self._watchers):
+            w.offer(ev)
 
     def expire_due(self) -> None:
         now = time.monotonic()
@@ -440,24 +504,64 @@ class LeaseTable:
                 pass
 
 
-_END: Release = Release("", LeaseState.ABORTED, [], 0)
+class SubscriberBehind(Exception):
+    """A WatchReleases subscriber fell so far behind that its releases were dropped."""
+
+    def __init__(self, held_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"{held_bytes} bytes of releases waited for this subscriber (limit {limit_bytes})")
+        self.held_bytes, self.limit_bytes = held_bytes, limit_bytes
 
 
 class Subscription:
-    """An async iterator of releases; ends when the table closes."""
+    """An async iterator of releases; ends when the table closes, or raises SubscriberBehind
+    once more than max_bytes of releases waited for it (they are dropped at once: a
+    subscriber that stops reading must not grow the server)."""
 
-    def __init__(self, queue: asyncio.Queue[Release], registry: set[asyncio.Queue[Release]]) -> None:
-        self._queue, self._registry = queue, registry
+    def __init__(self, registry: set[Subscription], max_bytes: int) -> None:
+        self._registry, self._max = registry, max_bytes
+        self._events: collections.deque[Release] = collections.deque()
+        self._bytes = 0
+        self._wake = asyncio.Event()
+        self._ended = False
+        self._behind: SubscriberBehind | None = None
+
+    def offer(self, ev: Release) -> None:
+        """Queue ev for this subscriber (the table calls it for every release)."""
+        size = ev.nbytes
+        if self._bytes + size > self._max:
+            self._behind = SubscriberBehind(self._bytes + size, self._max)
+            self._events.clear()
+            self._bytes = 0
+            self.close()
+            return
+        self._events.append(ev)
+        self._bytes += size
+        self._wake.set()
+
+    def end(self) -> None:
+        """No more releases (the table closed): iteration stops once the queued ones are read."""
+        self._ended = True
+        self.close()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
 
     def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> Release:
-        ev = await self._queue.get()
-        if ev is _END:
-            self.close()
-            raise StopAsyncIteration
+        while not self._events:
+            if self._behind is not None:
+                raise self._behind
+            if self._ended:
+                raise StopAsyncIteration
+            self._wake.clear()
+            await self._wake.wait()
+        ev = self._events.popleft()
+        self._bytes -= ev.nbytes
         return ev
 
     def close(self) -> None:
-        self._registry.discard(self._queue)
+        self._registry.discard(self)
+        self._wake.set()

@@ -63,7 +63,8 @@ class Node:
         self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
                                  config.max_lease_ttl_s, on_claim_change=self._claims_changed,
                                  on_release=lambda reason: self.metrics.released(reason.value),
-                                 max_live=config.max_live_leases, dcp_size=self.layout.dcp_size)
+                                 max_live=config.max_live_leases, dcp_size=self.layout.dcp_size,
+                                 max_leased_blocks=config.max_leased_blocks)
         self._closed = False
         self.health_tasks: set[asyncio.Future[None]] = set()
 

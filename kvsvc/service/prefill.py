@@ -10,10 +10,10 @@ import numpy as np
 
 from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout_to_proto
 from kvsvc.config import Role
-from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
-from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, monotonic_to_unix_ms
+from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, SubscriberBehind, monotonic_to_unix_ms
 from kvsvc.limits import (
     MAX_DIGEST_BYTES,
     MAX_TP_SIZE,
@@ -212,4 +212,14 @@ def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) ->
 def release_to_proto(ev: Release) -> pb.WatchReleasesResponse:
     return pb.WatchReleasesResponse(request_id=ev.request_id, reason=RELEASE_REASONS[ev.reason],
                                     block_ids_per_group=block_ids_to_proto(ev.block_ids),
-                                    released_unix_ms=ev.released_unix_ms)
+                                    released_unix_ms=ev.released_unix_ms,
+                                    free_block_ids_per_group=block_ids_to_proto(ev.free_block_ids))
+
+
+def watch_behind(e: SubscriberBehind) -> KvsvcError:
+    """How a subscriber that fell behind is ended, with what to do about it."""
+    return KvsvcError("WATCH_BEHIND", "this WatchReleases stream was not read while its releases piled up "
+                      f"({e.held_bytes} bytes, limit {e.limit_bytes}); they were dropped. Subscribe again, and "
+                      "once its headers came, reconcile: every request you published that ListLeases no longer "
+                      "lists was released (free its blocks that no listed lease holds)",
+                      {"held_bytes": e.held_bytes, "limit_bytes": e.limit_bytes}, code=ErrorCode.RESOURCE_EXHAUSTED)

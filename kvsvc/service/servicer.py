@@ -17,6 +17,7 @@ from opentelemetry.context import Context
 from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.leases.table import SubscriberBehind
 from kvsvc.limits import (
     MAX_ADDRESS_BYTES,
     MAX_LEASE_CALLS,
@@ -265,6 +266,9 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             await context.send_initial_metadata(())
             async for ev in sub:
                 yield prefill.release_to_proto(ev)
+        except SubscriberBehind as e:
+            log.warning("a WatchReleases subscriber stopped reading and was ended: %s", e)
+            await context.abort_with_status(rpc_status.to_status(to_status(prefill.watch_behind(e))))
         finally:
             sub.close()
 

@@ -669,16 +669,18 @@ class WatchReleasesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchReleasesResponse(_message.Message):
-    __slots__ = ("request_id", "reason", "block_ids_per_group", "released_unix_ms")
+    __slots__ = ("request_id", "reason", "block_ids_per_group", "released_unix_ms", "free_block_ids_per_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     RELEASED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: ReleaseReason
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     released_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., released_unix_ms: _Optional[int] = ...) -> None: ...
+    free_block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., released_unix_ms: _Optional[int] = ..., free_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class WaitTransferRequest(_message.Message):
     __slots__ = ("request_id", "wait_ms")

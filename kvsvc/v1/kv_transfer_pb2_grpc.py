@@ -164,7 +164,9 @@ class KvTransferServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchReleases(self, request, context):
-        """For the P engine: a stream of requests whose blocks are free again, and why.
+        """For the P engine: a stream of requests whose blocks are free again, and why. A
+        subscriber that stops reading is ended with RESOURCE_EXHAUSTED (WATCH_BEHIND) once
+        64 MiB of releases waited for it; it subscribes again and reconciles with ListLeases.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
-from kvsvc.leases.table import LeaseState, LeaseTable, NotifyKind, Tombstone
+from kvsvc.leases.table import LeaseState, LeaseTable, NotifyKind, SubscriberBehind, Tombstone
 
 
 @pytest.fixture
@@ -57,7 +57,8 @@ async def test_consumed_after_every_d_rank(table):
     assert table.notify("r", CONSUMED, [0, 1], 7, claim_id=CLAIM_A) == (LeaseState.CLAIMED, [2, 3])
     assert table.notify("r", CONSUMED, [2, 3], 7, claim_id=CLAIM_A) == (LeaseState.CONSUMED, [])
     (ev,) = await watcher
-    assert (ev.request_id, ev.reason, ev.block_ids) == ("r", LeaseState.CONSUMED, [[1, 2]])
+    assert (ev.request_id, ev.reason, [g.tolist() for g in ev.block_ids]) == ("r", LeaseState.CONSUMED, [[1, 2]])
+    assert [g.tolist() for g in ev.free_block_ids] == [[1, 2]]
     assert table.notify("r", CONSUMED, [0], 7, claim_id=CLAIM_A) == (LeaseState.CONSUMED, [])  # duplicate: harmless
     assert table.claims == [1, -1] and table.live_count == 0
 
@@ -194,7 +195,7 @@ async def test_withdraw_ends_an_unclaimed_lease_without_a_release_event(table):
         with pytest.raises(PermissionDenied):
             table.notify("w", ABORTED, [], 7, withdraw=True)  # needs the token
         assert table.notify("w", ABORTED, [], 7, token=lease.token, withdraw=True)[0] is LeaseState.ABORTED
-        assert table.live_count == 0 and sub._queue.empty(), "a withdrawn lease was never handed out"
+        assert table.live_count == 0 and sub.held_bytes == 0, "a withdrawn lease was never handed out"
         claimed = table.publish("c", [[2]], None)
         claim(table, "c")
         with pytest.raises(PermissionDenied) as e:
@@ -285,3 +286,70 @@ async def test_a_claim_for_other_blocks_than_the_lease_holds_is_refused(table):
     lease = table.claim("r", 7, token=token, claim_id=CLAIM_A, d_engine_id="D", d_tp_size=2,
                         digest=_digest_by_hand([[1, 2], [7]], 20), consumed=True)
     assert lease.state is LeaseState.CONSUMED  # no ranks named: all of the D engine's, reported at once
+
+
+async def test_a_block_in_two_live_leases_is_free_only_with_the_last_release():
+    """Round three, 12: two live leases may share blocks (a prefix two requests share); a
+    release reports as free only the blocks no other live lease holds, so an engine that
+    reuses what a release frees never overwrites a block another reader is promised."""
+    t = LeaseTable(epoch=1, hosted_ranks=[0], tp_size=1)
+    sub = t.subscribe()
+    a = t.publish("a", [[1, 2, 3, 3], [7]], None)  # a block listed twice in one lease counts twice
+    b = t.publish("b", [[3, 4], [7, 8]], None)
+    assert t.leased_blocks == 9
+    t.notify("a", ABORTED, [], 1, token=a.token)
+    ev = await anext(sub)
+    assert [g.tolist() for g in ev.block_ids] == [[1, 2, 3, 3], [7]]
+    assert [g.tolist() for g in ev.free_block_ids] == [[1, 2], []], "3 and 7 are still b's"
+    t.notify("b", ABORTED, [], 1, token=b.token)
+    ev = await anext(sub)
+    assert [g.tolist() for g in ev.free_block_ids] == [[3, 4], [7, 8]]
+    assert t.leased_blocks == 0
+    withdrawn = t.publish("w", [[9]], None)  # a withdrawn lease lets go of its blocks too
+    t.notify("w", ABORTED, [], 1, token=withdrawn.token, withdraw=True)
+    c = t.publish("c", [[9]], None)
+    t.notify("c", ABORTED, [], 1, token=c.token)
+    assert [g.tolist() for g in (await anext(sub)).free_block_ids] == [[9]]
+
+
+async def test_leased_blocks_are_bounded_in_bytes():
+    """Round three, 4: the cap counts block ids, not only leases, and a lease keeps its ids in
+    4 bytes each (a list of ints cost ~36: a 4,096-block lease was ~160 KiB)."""
+    import tracemalloc
+
+    t = LeaseTable(epoch=1, hosted_ranks=[0], tp_size=1, max_leased_blocks=3 * 4096)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(3):
+            t.publish(f"r{i}", [list(range(4096))], None)
+        per_lease = (tracemalloc.get_traced_memory()[0] - before) / 3
+    finally:
+        tracemalloc.stop()
+    assert per_lease < 24 * 1024, f"{per_lease / 1024:.0f} KiB per 4,096-block lease"
+    with pytest.raises(KvsvcError) as e:
+        t.publish("one-more", [[1]], None)
+    assert (e.value.code, e.value.reason) == (ErrorCode.RESOURCE_EXHAUSTED, "TOO_MANY_LEASED_BLOCKS")
+    assert e.value.metadata == {"leased_blocks": "12288", "asked": "1", "max_leased_blocks": "12288"}
+    t.notify("r0", ABORTED, [], 1, token=t.get("r0").token)
+    t.publish("one-more", [[1]], None)  # room again
+
+
+async def test_a_subscriber_that_stops_reading_is_ended_and_what_it_held_is_freed():
+    """Round three, 3: releases held for a subscriber that does not read are bounded in bytes;
+    past the bound it is ended (SubscriberBehind) and its backlog dropped at once, while a
+    subscriber that reads is untouched."""
+    t = LeaseTable(epoch=1, hosted_ranks=[0], tp_size=1, watch_backlog_bytes=256 * 1024)
+    stalled, reader = t.subscribe(), t.subscribe()
+    got = 0
+    for i in range(100):  # ~8.5 KiB each with its free ids: ~850 KiB in all
+        lease = t.publish(f"r{i}", [list(range(1000))], None)
+        t.notify(f"r{i}", ABORTED, [], 1, token=lease.token)
+        await anext(reader)
+        got += 1
+        assert stalled.held_bytes <= 256 * 1024
+    assert got == 100 and stalled.held_bytes == 0
+    with pytest.raises(SubscriberBehind) as e:
+        await anext(stalled)
+    assert e.value.limit_bytes == 256 * 1024
+    assert stalled not in t._watchers and reader in t._watchers

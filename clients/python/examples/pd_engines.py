@@ -85,7 +85,9 @@ class PrefillEngine(Engine):
     async def recycle_released_blocks(self, stop: asyncio.Event) -> None:
         """The other half of the lease: blocks come back only when kvsvc says so."""
         async for ev in self.releases:
-            await self.blocks.give_back(list(ev.block_ids_per_group[0].block_ids))
+            # free_block_ids_per_group, not block_ids_per_group: a block another live lease
+            # still holds (a shared prefix) comes back with that lease's release.
+            await self.blocks.give_back(list(ev.free_block_ids_per_group[0].block_ids))
             print(f"  prefill: {ev.request_id} released ({pb.ReleaseReason.Name(ev.reason)}), "
                   f"{len(self.blocks.free)} blocks free")
             if stop.is_set():
