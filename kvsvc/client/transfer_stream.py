@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 _METHOD = "/kvsvc.v1.KvTransferService/TransferStream"
 
+# After a failed write, how long the reader may take to bring the server's status.
+STATUS_WAIT_S = 2.0
+
 # The timeout_ms field holds at most this (~49 days).
 _MAX_TIMEOUT_MS = (1 << 32) - 1
 
@@ -124,6 +127,11 @@ class _Stream(_Carrier):
         except BaseException as e:
             # Broken, or this writer cancelled mid-write: whether the message left is unknown,
             # so the stream ends (its transfers' outcomes are unknown, as for a lost call).
+            # A write into a call the server already ended (a refusal such as NOT_AN_ENGINE)
+            # fails with gRPC's own error; the reader is about to get the server's status,
+            # which is the stream's end: it is given a moment to say it first.
+            if not isinstance(e, asyncio.CancelledError) and not self.ended:
+                await asyncio.wait([self.reader], timeout=STATUS_WAIT_S)
             self._end(Unavailable("UNAVAILABLE", f"the TransferStream write failed: {type(e).__name__}"))
             if isinstance(e, asyncio.CancelledError):
                 raise

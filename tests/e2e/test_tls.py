@@ -135,6 +135,20 @@ async def test_mtls_doors_are_closed(tmp_path):
             with pytest.raises(KvsvcError) as e:
                 await as_d.transfer("d-x", impostor, [[2]])  # tls-d's certificate is not P's engine
             assert e.value.reason == "NOT_AN_ENGINE"
+        # A TransferStream refused at once says why every time, whether the refusal reaches
+        # the client through its read or through its first write (round three, 11: 21 of 40
+        # were a bare UNAVAILABLE).
+        async with AsyncClient(d.address, as_["tls-p"]) as not_d_engine:
+            reasons = []
+            for i in range(40):
+                channel = not_d_engine.transfer_stream()
+                try:
+                    await channel.transfer(f"s{i}", impostor, [[2]])
+                except KvsvcError as e:
+                    reasons.append(e.reason if e.reason == "NOT_AN_ENGINE" else f"{e.reason}: {e.message}")
+                finally:
+                    await channel.close()
+            assert reasons == ["NOT_AN_ENGINE"] * 40, reasons
     finally:
         for sp in (fake, d, p):
             sp.stop()
