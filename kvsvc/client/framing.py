@@ -79,9 +79,13 @@ class SocketCall(asyncio.Protocol):
         self._on_end: Callable[[KvsvcError | None], None] | None = None
         self._lost: KvsvcError | None = None
         self._closed = False
+        self._early: list[Any] = []  # messages read before attach() (a server's refusal can come first)
 
     def attach(self, on_message: Callable[[Any], None], on_end: Callable[[KvsvcError | None], None]) -> None:
         self._on_message, self._on_end = on_message, on_end
+        early, self._early = self._early, []
+        for msg in early:
+            on_message(msg)
         if self._closed:
             on_end(self._lost)
 
@@ -107,6 +111,8 @@ class SocketCall(asyncio.Protocol):
                 return self._fail(f"{self._what} broke: DecodeError")
             if self._on_message is not None:
                 self._on_message(msg)
+            else:
+                self._early.append(msg)
         if too_big:
             self._fail(f"{self._what} sent a {too_big}-byte frame")
 

@@ -118,6 +118,9 @@ class _Stream:
             self._end(Unavailable("UNAVAILABLE", f"the lease socket write failed: {type(e).__name__}: {e}"))
 
     def _deliver(self, resp: pb.LeaseChannelResponse) -> None:
+        if resp.stream_error:
+            self._end(_decode_error(resp.stream_error))
+            return
         for answer in resp.answers:
             fut = self.pending.pop(answer.call_id, None)
             if fut is None or fut.done():
@@ -222,7 +225,8 @@ class LeaseChannel:
         timeout = timeout_s or self._client.options.timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        for attempt in range(2):
+        breaks = 0  # a broken stream is retried once (both calls are idempotent)
+        while True:
             call = make(next(self._ids))
             fut: asyncio.Future[pb.LeaseAnswer] = loop.create_future()
             stream: _Stream | None = None
@@ -243,15 +247,20 @@ class LeaseChannel:
                     log.info("%s has no LeaseChannel: lease calls go unary", self.address)
                     self._unary = True
                     return None
+                if ended is not None and ended.reason == "SOCKET_FULL" and self._socket_path:
+                    # Refused before anything was read: the same call again, on the gRPC stream.
+                    log.warning("lease socket of %s is full: lease calls go over gRPC", self.address)
+                    self._socket_path = ""
+                    continue
                 if ended is not None and ended.reason not in ("UNAVAILABLE", "CANCELLED"):
                     raise ended from None  # the server's own answer for the stream (SHUTTING_DOWN, ...)
-                if attempt == 1 or self._closed or loop.time() >= deadline:
+                breaks += 1
+                if breaks == 2 or self._closed or loop.time() >= deadline:
                     raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} broke before the "
                                       f"answer: {ended or 'closed'}") from None
             finally:
                 if stream is not None:
                     stream.pending.pop(call.call_id, None)
-        raise AssertionError("unreachable")
 
     async def _open(self) -> _Stream:
         async with self._connecting:  # one stream at a time, however many callers found none

@@ -258,6 +258,12 @@ class TransferChannel:
                 log.info("%s has no TransferStream: transfers go unary", self.address)
                 self._unary = True
                 return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
+            if e.error is not None and e.error.reason == "SOCKET_FULL" and self._socket_path:
+                # The socket refused the connection before reading anything: nothing started
+                # there, so the same transfer goes over the gRPC stream (and later ones too).
+                log.warning("transfer socket of %s is full: transfers go over gRPC", self.address)
+                self._socket_path = ""
+                return await self.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
             if e.error is not None and e.error.reason not in ("UNAVAILABLE", "CANCELLED"):
                 raise e.error from None  # the server's own end of the stream (SHUTTING_DOWN, NOT_AN_ENGINE, ...)
             raise Unavailable("UNAVAILABLE", f"the TransferStream to {self.address} broke before the answer "

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from kvsvc.client.framing import LEASE_SOCKET_NAME, frame
 from kvsvc.errors import KvsvcError
 from kvsvc.limits import MAX_LEASE_CALLS, check_count
+from kvsvc.service.errors import to_status
 from kvsvc.service.local_socket import FramedConnection, LocalSocket, remove_stale_dirs
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -61,6 +62,9 @@ class _Connection(FramedConnection):
             answers.append(frame(pb.LeaseChannelResponse(answers=[answer(c, ()) for c in msg.calls])))
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(answers))
+
+    def refusal(self, error: KvsvcError) -> bytes:
+        return frame(pb.LeaseChannelResponse(stream_error=to_status(error).SerializeToString()))
 
 
 def _parse(body: bytes) -> pb.LeaseChannelRequest | None:

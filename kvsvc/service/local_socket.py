@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvsvc.client.framing import SOCKET_DIR_PREFIX, SOCKET_NAMES, split_frames
+from kvsvc.errors import ErrorCode, KvsvcError
 from kvsvc.tempdirs import temp_root
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,10 @@ class FramedConnection(asyncio.Protocol):
         owner = self.owner
         if len(owner.conns) >= MAX_CONNECTIONS:
             log.warning("%s: %d connections open, refusing another", owner.name, len(owner.conns))
+            full = KvsvcError("SOCKET_FULL", f"{len(owner.conns)} connections are open on this server's {owner.name}, "
+                              "the most it takes: use gRPC", {"connections": len(owner.conns)},
+                              code=ErrorCode.RESOURCE_EXHAUSTED)
+            transport.write(self.refusal(full))  # type: ignore[attr-defined]  # its client falls back to gRPC, nothing was read
             transport.close()
             return
         owner.conns.add(self)
@@ -173,6 +178,10 @@ class FramedConnection(asyncio.Protocol):
 
     def frames_received(self, bodies: list[bytes]) -> None:
         """The whole frames that came in one read (in order)."""
+        raise NotImplementedError
+
+    def refusal(self, error: KvsvcError) -> bytes:
+        """The frame that tells a client its connection was refused (the carrier's end-of-stream)."""
         raise NotImplementedError
 
     def data_received(self, data: bytes) -> None:

@@ -168,6 +168,9 @@ class _Connection(FramedConnection):
             if self.session.answers_waiting >= MAX_STREAM_CALLS:
                 self.session.flush()  # now, so that a caller who does not read pauses us in time
 
+    def refusal(self, error: KvsvcError) -> bytes:
+        return frame(pb.TransferStreamResponse(stream_error=to_status(error).SerializeToString()))
+
     def send(self, msg: pb.TransferStreamResponse) -> None:
         if not self._ended and self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame(msg))

@@ -721,10 +721,12 @@ class LeaseCall(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., claim: _Optional[_Union[ClaimLeaseRequest, _Mapping]] = ..., notify: _Optional[_Union[NotifyRequest, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class LeaseChannelResponse(_message.Message):
-    __slots__ = ("answers",)
+    __slots__ = ("answers", "stream_error")
     ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ERROR_FIELD_NUMBER: _ClassVar[int]
     answers: _containers.RepeatedCompositeFieldContainer[LeaseAnswer]
-    def __init__(self, answers: _Optional[_Iterable[_Union[LeaseAnswer, _Mapping]]] = ...) -> None: ...
+    stream_error: bytes
+    def __init__(self, answers: _Optional[_Iterable[_Union[LeaseAnswer, _Mapping]]] = ..., stream_error: _Optional[bytes] = ...) -> None: ...
 
 class LeaseAnswer(_message.Message):
     __slots__ = ("call_id", "claim", "notify", "error_status")

@@ -257,3 +257,33 @@ async def test_a_caller_that_does_not_read_is_paused_not_buffered_for(monkeypatc
             assert answered == joined == sent * 1024
         finally:
             sock.close()
+
+
+async def test_a_full_socket_sends_its_clients_to_grpc(monkeypatch):
+    """Round three, 9: with every connection of a same-host socket taken, a new engine's
+    transfer channel and a new D's lease calls used to fail (UNAVAILABLE, PEER_UNAVAILABLE
+    from a healthy P); the socket now says SOCKET_FULL before closing, and both go on over
+    gRPC."""
+    from kvsvc.service import local_socket
+
+    monkeypatch.setattr(local_socket, "MAX_CONNECTIONS", 2)
+    async with in_process_pair("full") as (p, d):
+        holders = []
+        for path in (p.lease_socket.path, d.transfer_socket.path):
+            for _ in range(2):  # every connection either socket takes
+                holders.append(await asyncio.open_unix_connection(path))
+        try:
+            async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+                pub = await pc.publish_blocks("full-r", [[1]])
+                channel = dc.transfer_stream()
+                try:
+                    resp = await channel.transfer("d-full-r", pub.params, [[2]], timeout_s=30)
+                    assert resp.total_bytes > 0 and channel.carrier == "grpc"
+                finally:
+                    await channel.close()
+                assert (await pc.get_info()).live_leases == 0, "D's claim reached P over gRPC"
+                peers = list(d.decoder.peers._peers.values())
+                assert peers and all(peer.lease_calls.carrier == "grpc" for peer in peers)
+        finally:
+            for _, writer in holders:
+                writer.close()
