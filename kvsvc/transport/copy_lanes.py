@@ -38,6 +38,10 @@ Measured here, one request at a time, two lanes against none: 8 MiB 3.4-4.3 agai
 against 2.1-2.2 ms): the parts' hand-offs and wake-ups cost more than a short copy gains."""
 
 
+def _no_notifications(agent: Any, notifs: dict[str, list[bytes]]) -> None:
+    """Lane agents only read: a notification sent to one has no reader (none is expected)."""
+
+
 @dataclass
 class LaneAgent:
     agent: Any
@@ -77,6 +81,11 @@ class CopyLanes:
             for rank, pool in dram.items():
                 self._agents[lane][rank] = await thread.call(self._make_agent, api, self._agent_name(rank, lane),
                                                              pool, backends)
+            # A slow beat of progress while idle: UCX finishes an endpoint's close (a peer
+            # that restarted, forgotten) only inside progress, and without it each P restart
+            # left this lane's connections to the old P open (CLOSE-WAIT) for good.
+            thread.set_progress([a.agent for a in self._agents[lane].values()], _no_notifications)
+            thread.beat_when_idle()
 
     @staticmethod
     def _make_agent(api: Any, name: str, pool: Pool, backends: list[str]) -> LaneAgent:

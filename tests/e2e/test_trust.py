@@ -244,6 +244,46 @@ async def test_a_request_id_alone_grants_nothing():
             assert (await s.pc.get_info()).live_leases == 0
 
 
+async def _fds_settle(pid: int, want: int, timeout_s: float = 5.0) -> int:
+    """D's fd count once it is back to want, or what it is after timeout_s (UCX closes an
+    endpoint to a gone peer within a progress beat, about a second)."""
+    end = time.monotonic() + timeout_s
+    while fds(pid) > want and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+    return fds(pid)
+
+
+async def test_file_descriptors_stay_flat_over_prefill_restarts():
+    """Round three, 6: D kept ~2 fds per P restart (its copy lanes' UCX connections to the
+    old P, never progressed to their close: CLOSE-WAIT). Five graceful restarts and five
+    kill -9 rounds of P at the same address, a transfer through each new P: D ends where it
+    started."""
+    d = start_server(engine_id="fd-d", role="decode", tp_size=1, layout=SMALL)
+    p = start_server(engine_id="fd-p", role="prefill", tp_size=1, layout=SMALL)
+    address = p.address
+    try:
+        async with AsyncClient(d.address) as dc:
+            async def through_new_p(i: int) -> None:
+                async with AsyncClient(address, ClientOptions(retries=0)) as pc:
+                    pub = await pc.publish_blocks(f"r{i}", [[1]])
+                await dc.transfer(f"d-r{i}", pub.params, [[2]])
+
+            await through_new_p(0)
+            base = fds(d.proc.pid)
+            counts = []
+            for i in range(10):
+                if i >= 5:
+                    p.kill()
+                p.stop()
+                p = start_server(engine_id="fd-p", role="prefill", tp_size=1, layout=SMALL, listen=address)
+                await through_new_p(i + 1)
+                counts.append(await _fds_settle(d.proc.pid, base) - base)
+            assert counts == [0] * 10, f"D's file descriptors after each restart, over {base}: {counts}"
+    finally:
+        p.stop()
+        d.stop()
+
+
 async def test_prefill_killed_mid_transfer_is_peer_unavailable():
     """Item 7: a P that dies while D reads is PEER_UNAVAILABLE (retryable), never INTERNAL."""
     reasons = []
