@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-vllm clean node
+.PHONY: etcd rdma-libs venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,7 +33,7 @@ demo: $(STAMP)
 # The suite: kvsvc's own tests, then real vLLM engines through kvsvc's connector.
 test: test-core test-vllm
 
-test-core: $(STAMP) proto-check node etcd
+test-core: $(STAMP) proto-check node etcd rdma-libs
 	$(BIN)/python -m pytest -q -m "not full"
 
 # Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB; the
@@ -41,7 +41,7 @@ test-core: $(STAMP) proto-check node etcd
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m "not full" tests/vllm
 
-test-full: $(STAMP) proto-check node etcd $(VLLM_STAMP)
+test-full: $(STAMP) proto-check node etcd rdma-libs $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
@@ -71,6 +71,20 @@ etcd:
 		(apt-get install -y -q etcd-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
 		 apt-get install -y -q etcd-server >/dev/null 2>&1)) || true
 	@command -v etcd >/dev/null 2>&1 || echo "$(ETCD_NOTE)"
+
+# rdma-core's user libraries as an RDMA node has them (Debian's packages, unpacked into
+# .rdma-libs/root, not installed): a test lays them over /etc and the library directory in
+# a mount namespace of its own, to check a server's exit on such a host without changing
+# this one (installed system-wide, every process that loads NIXL -- pytest's too -- would
+# crash at exit; see docs/RELIABILITY.md). Where apt-get is missing the test skips.
+RDMA_PACKAGES := libibverbs1 ibverbs-providers librdmacm1 libnl-3-200 libnl-route-3-200
+rdma-libs:
+	@test -d .rdma-libs/root/etc/libibverbs.d || ! command -v apt-get >/dev/null 2>&1 || ( \
+		rm -rf .rdma-libs && mkdir -p .rdma-libs/debs && cd .rdma-libs/debs && \
+		(apt-get download -q $(RDMA_PACKAGES) >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+		 apt-get download -q $(RDMA_PACKAGES) >/dev/null 2>&1)) && \
+		for deb in *.deb; do dpkg -x "$$deb" ../root; done ) || true
+	@test -d .rdma-libs/root/etc/libibverbs.d || echo "rdma-core packages not unpacked: the RDMA-host exit test will be skipped"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvsvc tests clients/python

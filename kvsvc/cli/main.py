@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
-from typing import TYPE_CHECKING
+import traceback
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from kvsvc.client import ClientOptions
@@ -185,5 +188,40 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def cli() -> None:
+    """The `kvsvc` command: main(), then leave without the interpreter's teardown.
+
+    On RDMA hosts (libibverbs1, librdmacm1 and libnl-3-200 installed, as on every such
+    node) a process that loaded NIXL holds two copies of libnl and libibverbs -- the NIXL
+    wheel's bundled ones and the system's -- and tearing both down at interpreter exit
+    crashes (SIGSEGV) after kvsvc's own shutdown finished: supervisors read exit -11, not
+    0. By the time main() returns everything kvsvc owns is released (pools unlinked,
+    sockets and logs removed, agents destroyed), so the process flushes what it wrote
+    and ends with os._exit, which runs no library teardown.
+    """
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """Flush spans, logs and stdio, then end the process with code, skipping teardown."""
+    trace = sys.modules.get("opentelemetry.trace")  # loaded only where tracing was in use
+    with contextlib.suppress(Exception):
+        shutdown = getattr(trace.get_tracer_provider(), "shutdown", None) if trace is not None else None
+        if shutdown is not None:
+            shutdown()  # the OTLP exporter's queued spans (what its atexit hook would do)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,53 @@ async def test_a_host_without_a_usable_temp_dir_warns_and_serves():
     assert proc.returncode == 0, text
     assert "Traceback" not in text, text
     assert "no private directory for UCX's protocol log" in text and "will use gRPC" in text, text
+
+
+RDMA_ROOT = Path(__file__).resolve().parents[2] / ".rdma-libs" / "root"
+RDMA_HOST = Path(__file__).with_name("rdma_host.sh")
+
+
+def _rdma_host_missing() -> str:
+    """Why the RDMA-host test cannot run here ("" when it can)."""
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("unshare")):
+        return "needs root and unshare(1) for a mount namespace"
+    if not (RDMA_ROOT / "etc" / "libibverbs.d").is_dir():
+        return "rdma-core's packages are not unpacked (make rdma-libs)"
+    return ""
+
+
+@pytest.mark.skipif(bool(_rdma_host_missing()) and not os.environ.get("KVSVC_REQUIRE_RDMA_LIBS"),
+                    reason=_rdma_host_missing() or "runs")
+async def test_sigterm_exits_0_on_a_host_with_the_rdma_libraries(tmp_path):
+    """Round three, 7: with libibverbs1, librdmacm1 and libnl-3-200 installed (every RDMA
+    node), the process holds two copies of libibverbs and libnl (the NIXL wheel's and the
+    system's, loaded by its providers) and died with SIGSEGV at interpreter exit, after
+    kvsvc's own clean shutdown: supervisors saw -11. It must exit 0 after a transfer."""
+    assert not _rdma_host_missing(), _rdma_host_missing()
+    work = tmp_path / "overlay"
+    work.mkdir()
+    layout = {"num_layers": 2, "kv_heads": 2, "head_size": 16, "block_size": 4, "num_blocks": 8, "dtype": "float16"}
+    cmd = ["unshare", "-m", "sh", str(RDMA_HOST), str(RDMA_ROOT), str(work), sys.executable, "-m",
+           "kvsvc.cli.main", "serve", "--listen", "127.0.0.1:0", "--engine-id", "rdma-host", "--role", "both",
+           "--tp-size", "1", "--layout-json", json.dumps(layout)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if "listening on" in line:
+                break
+        assert out and "listening on" in out[-1], "".join(out)
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        libs = {line.split()[-1] for line in maps.splitlines() if "libibverbs" in line}
+        assert any(lib.startswith("/usr/lib/") for lib in libs) and any("nixl" in lib for lib in libs), (
+            f"not the RDMA-host case (both copies of libibverbs loaded): {libs}")
+        async with AsyncClient(out[-1].split("listening on ")[1].split()[0]) as c:
+            pub = await c.publish_blocks("r", [[1]])
+            await c.transfer("d-r", pub.params, [[2]])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        out.append(rest)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{''.join(out)[-3000:]}"
