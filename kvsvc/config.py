@@ -79,6 +79,10 @@ class ServerConfig:
     max_leased_blocks: int = 16 * 1024 * 1024
     """Most block ids a prefill server's live leases hold together (4 bytes each: 64 MiB at
     the default); PublishBlocks beyond is RESOURCE_EXHAUSTED (TOO_MANY_LEASED_BLOCKS)."""
+    max_claims_per_engine: int = 16_384
+    """Most leases one D engine may hold claimed at once on a prefill server (a claim extends
+    a lease and heartbeats keep it: one engine must not pin the whole table); a claim beyond
+    is RESOURCE_EXHAUSTED (TOO_MANY_CLAIMS)."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
@@ -191,7 +195,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
             if key in srv:
                 kw[key] = str(srv[key])
         for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases", "etcd_ttl_s", "copy_threads",
-                    "max_leased_blocks"):
+                    "max_leased_blocks", "max_claims_per_engine"):
             if key in srv:
                 kw[key] = int(srv[key])
         for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):

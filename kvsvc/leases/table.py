@@ -167,8 +167,10 @@ class LeaseTable:
     dcp_size: int = 1
     max_leased_blocks: int = 16 * 1024 * 1024  # block ids across live leases (4 bytes each)
     watch_backlog_bytes: int = MAX_WATCH_BACKLOG_BYTES
+    max_claims_per_engine: int = 16_384  # claimed leases one D engine may hold at once
     _live: dict[str, Lease] = field(default_factory=dict)
     _leased_blocks: int = 0
+    _claims_of: dict[str, int] = field(default_factory=dict)  # D engine id -> claimed leases it holds
     _holders: list[np.ndarray] = field(default_factory=list)  # per group: live leases holding each block
     _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
     _heap: list[tuple[float, str]] = field(default_factory=list)
@@ -325,6 +327,13 @@ class LeaseTable:
             raise FailedPrecondition("LEASE_CLAIMED", f"request {request_id!r} is claimed by engine "
                                      f"{lease.d_engine_id!r} (TP {lease.d_tp_size})",
                                      {"request_id": request_id, "claimed_by": lease.d_engine_id})
+        if lease.state is LeaseState.OFFERED and self._claims_of.get(d_engine_id, 0) >= self.max_claims_per_engine:
+            # One D engine may not hold every lease (a claim extends it, heartbeats keep it):
+            # the rest of the table stays for the engine's other readers.
+            raise KvsvcError("TOO_MANY_CLAIMS", f"engine {d_engine_id[:64]!r} holds {self.max_claims_per_engine} "
+                             "claimed leases here, the most one D engine may; finish or abort some first",
+                             {"engine_id": d_engine_id, "max_claims_per_engine": self.max_claims_per_engine},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
         held = lease.claims.get(claim_id)
         if held is not None:
             if held.d_ranks != ranks:
@@ -342,6 +351,7 @@ class LeaseTable:
             lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size = d_engine_id, d_tp_size, d_dcp_size
             lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size, d_dcp_size, self.dcp_size)
             self._claimed += 1
+            self._claims_of[d_engine_id] = self._claims_of.get(d_engine_id, 0) + 1
             self._no_claims.clear()
             if announce:
                 self.on_claim_change(+1)
@@ -457,6 +467,9 @@ class LeaseTable:
             return
         if lease.state is LeaseState.CLAIMED:
             self._claimed -= 1
+            left = self._claims_of.pop(lease.d_engine_id, 1) - 1
+            if left:
+                self._claims_of[lease.d_engine_id] = left
             if not self._claimed:
                 self._no_claims.set()
             if claim_announced:

@@ -64,7 +64,8 @@ class Node:
                                  config.max_lease_ttl_s, on_claim_change=self._claims_changed,
                                  on_release=lambda reason: self.metrics.released(reason.value),
                                  max_live=config.max_live_leases, dcp_size=self.layout.dcp_size,
-                                 max_leased_blocks=config.max_leased_blocks)
+                                 max_leased_blocks=config.max_leased_blocks,
+                                 max_claims_per_engine=config.max_claims_per_engine)
         self._closed = False
         self.health_tasks: set[asyncio.Future[None]] = set()
 

@@ -353,3 +353,22 @@ async def test_a_subscriber_that_stops_reading_is_ended_and_what_it_held_is_free
         await anext(stalled)
     assert e.value.limit_bytes == 256 * 1024
     assert stalled not in t._watchers and reader in t._watchers
+
+
+async def test_one_d_engine_cannot_hold_every_lease():
+    """Round three, 4 (fairness): claims extend leases and heartbeats keep them, so one D
+    engine is held to max_claims_per_engine claimed leases; another engine still claims."""
+    t = LeaseTable(epoch=1, hosted_ranks=[0], tp_size=1, max_claims_per_engine=2)
+    for i in range(4):
+        t.publish(f"r{i}", [[i]], None)
+    claim(t, "r0", engine="greedy", tp=1, epoch=1)
+    claim(t, "r1", engine="greedy", tp=1, epoch=1)
+    with pytest.raises(KvsvcError) as e:
+        claim(t, "r2", engine="greedy", tp=1, epoch=1)
+    assert (e.value.code, e.value.reason) == (ErrorCode.RESOURCE_EXHAUSTED, "TOO_MANY_CLAIMS")
+    assert e.value.metadata == {"engine_id": "greedy", "max_claims_per_engine": "2"}
+    assert t.get("r2").state is LeaseState.OFFERED and not t.get("r2").claims, "a refused claim changes nothing"
+    claim(t, "r3", engine="other", tp=1, epoch=1)
+    claim(t, "r0", engine="greedy", tp=1, epoch=1)  # a repeat of a held claim is no new one
+    t.notify("r0", CONSUMED, [0], 1, claim_id=CLAIM_A)
+    claim(t, "r2", engine="greedy", tp=1, epoch=1)  # room again once one ended
