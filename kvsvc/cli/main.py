@@ -201,8 +201,12 @@ def cli() -> None:
     """
     try:
         code = main()
-    except SystemExit as e:  # argparse's --help and usage errors
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except SystemExit as e:  # argparse's --help and usage errors, or a message (as Python says it)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 _METHOD = "/kvsvc.v1.KvTransferService/TransferStream"
 
+# How long a new stream waits for the server's headers before it writes anyway.
+HEADERS_WAIT_S = 2.0
+
 # After a failed write, how long the reader may take to bring the server's status.
 STATUS_WAIT_S = 2.0
 
@@ -236,7 +239,13 @@ class TransferChannel:
     async def transfer_request(self, req: pb.TransferRequest, *, timeout_s: float | None = None,
                                traceparent: str = "") -> pb.TransferResponse:
         timeout = timeout_s or self._client.options.timeout_s
-        stream = None if self._unary or self._closed else await self._open()
+        try:
+            stream = None if self._unary or self._closed else await self._open()
+        except KvsvcError as e:
+            if e.reason != "UNIMPLEMENTED":
+                raise  # the server refused the stream (NOT_AN_ENGINE, SHUTTING_DOWN, ...)
+            log.info("%s has no TransferStream: transfers go unary", self.address)
+            self._unary, stream = True, None
         if stream is None or req.request_id in stream.pending:
             return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
         fut: asyncio.Future[pb.TransferAnswer] = asyncio.get_running_loop().create_future()
@@ -294,6 +303,7 @@ class TransferChannel:
                     call = self._client.channel.stream_stream(
                         _METHOD, request_serializer=pb.TransferStreamRequest.SerializeToString,
                         response_deserializer=pb.TransferStreamResponse.FromString)()
+                    await _accepted(call)
                     stream = _Stream(call)
                 self._stream = stream
                 self.streams_opened += 1
@@ -339,6 +349,29 @@ class TransferChannel:
         if self._stream is not None:
             await self._stream.close()
             self._stream = None
+
+
+async def _accepted(call: Any) -> None:
+    """Return once the server took the stream (its headers came); raise its refusal.
+
+    A refused stream ends with its headers (trailers only): reading that before the first
+    write keeps the server's reason (NOT_AN_ENGINE, SHUTTING_DOWN, UNIMPLEMENTED), which a
+    write into the ended call would turn into gRPC's own INTERNAL. A server that sends its
+    headers only with its first answer (an older kvsvc) is not waited for past HEADERS_WAIT_S.
+    """
+    headers = asyncio.ensure_future(call.initial_metadata())
+    await asyncio.wait([headers], timeout=HEADERS_WAIT_S)
+    if not headers.done():
+        headers.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return
+    if headers.exception() is None and not call.done():
+        return
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        raise error_from_rpc(e) from None
+    raise Unavailable("UNAVAILABLE", "the TransferStream ended as it opened")
 
 
 def _error_of(answer: pb.TransferAnswer) -> KvsvcError:

@@ -152,6 +152,9 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             require_engine(self.node, caller_names(context), "run transfers")
         except KvsvcError as e:
             await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        # Headers now: the client knows the stream was taken before it writes (a refusal comes
+        # instead of them, and a write into a refused call could hide its reason).
+        await context.send_initial_metadata(())
         session = TransferStreamSession(self.decoder, context.time_remaining())
         self._transfer_streams.add(session)
         try:

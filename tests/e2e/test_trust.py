@@ -244,6 +244,36 @@ async def test_a_request_id_alone_grants_nothing():
             assert (await s.pc.get_info()).live_leases == 0
 
 
+@pytest.mark.parametrize("timeout_s", [0.5, 1.0, 1.5])
+async def test_a_stalled_prefill_still_gets_a_typed_answer_within_the_deadline(timeout_s):
+    """Round three, 13: with P stopped (SIGSTOP) after publishing, D's READs end (the bytes
+    are there) but P never answers the claim; deadlines under ~2 s got a bare
+    DEADLINE_EXCEEDED from gRPC, with no word on whether the blocks were settled. Now the
+    answer comes first: typed, with a TransferFailure (remote_notified false)."""
+    with servers(1, 1, SMALL) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([[1]])
+            warm = await s.pc.publish_blocks("warm", [[1]])
+            await s.dc.transfer("d-warm", warm.params, [[2]])  # paired: no handshake later
+            pub = await s.pc.publish_blocks("stalled", [[1]])
+            os.kill(p.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(KvsvcError) as e:
+                    await s.dc.transfer("d-stalled", pub.params, [[3]], timeout_s=timeout_s)
+                failure = [x for x in e.value.details if isinstance(x, pb.TransferFailure)]
+                assert failure and not failure[0].remote_notified, (e.value.code, e.value.reason, e.value.message)
+                state = await s.dc.wait_transfer("d-stalled", wait_ms=0)
+                assert state.state == pb.TRANSFER_STATE_FAILED
+            finally:
+                os.kill(p.proc.pid, signal.SIGCONT)
+            # P, awake again, hears the abort D kept sending in the background, or expires it.
+            for _ in range(50):
+                if (await s.pc.get_info()).live_leases == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await s.pc.get_info()).live_leases == 0
+
+
 async def _fds_settle(pid: int, want: int, timeout_s: float = 5.0) -> int:
     """D's fd count once it is back to want, or what it is after timeout_s (UCX closes an
     endpoint to a gone peer within a progress beat, about a second)."""
