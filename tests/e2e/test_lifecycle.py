@@ -147,34 +147,42 @@ exec "$@"
 """
 
 
+def _serve_under(prefix: list[str], engine_id: str) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """`kvsvc serve` started under prefix (a namespace's set-up): the process, its address
+    once it listens, and its output so far."""
+    cmd = [*prefix, sys.executable, "-m", "kvsvc.cli.main", "serve", "--listen", "127.0.0.1:0", "--engine-id",
+           engine_id, "--role", "both", "--tp-size", "1", "--layout-json", json.dumps(layout_table(nb=8))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out.append(line)
+        if "listening on" in line:
+            return proc, line.split("listening on ")[1].split()[0], out
+    proc.wait()
+    raise AssertionError(f"exited {proc.returncode} before listening:\n{''.join(out)}")
+
+
+def _stop(proc: subprocess.Popen[str], out: list[str]) -> str:
+    """SIGTERM, then all the process printed."""
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    return "".join(out) + rest
+
+
 @pytest.mark.skipif(not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("unshare")),
                     reason="needs root and unshare(1) to give the server a mount namespace without a temp dir")
 async def test_a_host_without_a_usable_temp_dir_warns_and_serves():
     """Round three, 10: no usable temp dir (every candidate read-only) used to kill the start
     with a traceback; the server warns once per missing part and serves over gRPC."""
-    layout = {"num_layers": 2, "kv_heads": 2, "head_size": 16, "block_size": 4, "num_blocks": 8, "dtype": "float16"}
-    cmd = ["unshare", "-m", "sh", "-c", NO_TEMP_DIR, "sh", sys.executable, "-m", "kvsvc.cli.main", "serve",
-           "--listen", "127.0.0.1:0", "--engine-id", "no-tmp", "--role", "both", "--tp-size", "1",
-           "--layout-json", json.dumps(layout)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
+    proc, address, out = _serve_under(["unshare", "-m", "sh", "-c", NO_TEMP_DIR, "sh"], "no-tmp")
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.append(line)
-            if "listening on" in line:
-                break
-        address = out[-1].split("listening on ")[1].split()[0] if out and "listening on" in out[-1] else None
-        assert address, "".join(out)
         async with AsyncClient(address) as c:
             assert not (await c.get_info()).transfer_socket, "no socket without a temp dir"
             pub = await c.publish_blocks("r", [[1]])
             await c.transfer("d-r", pub.params, [[2]])  # a whole transfer, over gRPC
     finally:
-        proc.terminate()
-        rest, _ = proc.communicate(timeout=30)
-        out.append(rest)
-    text = "".join(out)
+        text = _stop(proc, out)
     assert proc.returncode == 0, text
     assert "Traceback" not in text, text
     assert "no private directory for UCX's protocol log" in text and "will use gRPC" in text, text
@@ -203,28 +211,15 @@ async def test_sigterm_exits_0_on_a_host_with_the_rdma_libraries(tmp_path):
     assert not _rdma_host_missing(), _rdma_host_missing()
     work = tmp_path / "overlay"
     work.mkdir()
-    layout = {"num_layers": 2, "kv_heads": 2, "head_size": 16, "block_size": 4, "num_blocks": 8, "dtype": "float16"}
-    cmd = ["unshare", "-m", "sh", str(RDMA_HOST), str(RDMA_ROOT), str(work), sys.executable, "-m",
-           "kvsvc.cli.main", "serve", "--listen", "127.0.0.1:0", "--engine-id", "rdma-host", "--role", "both",
-           "--tp-size", "1", "--layout-json", json.dumps(layout)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
+    proc, address, out = _serve_under(["unshare", "-m", "sh", str(RDMA_HOST), str(RDMA_ROOT), str(work)], "rdma-host")
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.append(line)
-            if "listening on" in line:
-                break
-        assert out and "listening on" in out[-1], "".join(out)
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         libs = {line.split()[-1] for line in maps.splitlines() if "libibverbs" in line}
         assert any(lib.startswith("/usr/lib/") for lib in libs) and any("nixl" in lib for lib in libs), (
             f"not the RDMA-host case (both copies of libibverbs loaded): {libs}")
-        async with AsyncClient(out[-1].split("listening on ")[1].split()[0]) as c:
+        async with AsyncClient(address) as c:
             pub = await c.publish_blocks("r", [[1]])
             await c.transfer("d-r", pub.params, [[2]])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
-        out.append(rest)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{''.join(out)[-3000:]}"
+        text = _stop(proc, out)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{text[-3000:]}"
