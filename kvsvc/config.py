@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import tomllib
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -174,8 +175,46 @@ class ServerConfig:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
-# The [server] keys a config file may set: the ServerConfig fields except the layout.
+# The [server] keys a config file may set: the ServerConfig fields except the layout,
+# each read as its field's type says (no list of keys per type to keep in step).
 _SERVER_KEYS = frozenset(f for f in ServerConfig.__dataclass_fields__ if f != "layout_table")
+_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(ServerConfig)
+
+
+def _from_toml(where: str, value: Any, kind: Any) -> Any:
+    """value as a field of type kind (str, int, float, bool, an enum or tuple[T, ...]), strictly:
+    a TOML value of another type is INVALID_CONFIG naming the key, never converted by guess."""
+    def bad(expected: str) -> InvalidArgument:
+        return InvalidArgument("INVALID_CONFIG", f"{where} must be {expected}, not {type(value).__name__} "
+                               f"{str(value)[:80]!r}", {"key": where.rsplit(" ", 1)[-1], "expected": expected})
+
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, list):
+            raise bad("a list")
+        item = typing.get_args(kind)[0]
+        return tuple(_from_toml(f"{where}[{i}]", v, item) for i, v in enumerate(value))
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        choices = [m.value for m in kind]
+        if value not in choices:
+            raise bad(f"one of {choices}")
+        return kind(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad("a number")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    raise bad(str(kind))  # a field type this reader does not know: a bug, said plainly
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfig:
@@ -189,36 +228,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
         if unknown:
             raise InvalidArgument("INVALID_CONFIG", f"{path}: unknown keys {unknown}; the [server] keys are "
                                   f"{sorted(_SERVER_KEYS)}", {"unknown": ",".join(unknown)})
-        kw: dict[str, Any] = {}
-        for key in ("listen", "engine_id", "advertised_address", "tls_cert_file", "tls_key_file",
-                    "tls_client_ca_file", "peer_tls_ca_file", "metrics_listen", "otlp_endpoint", "etcd_prefix"):
-            if key in srv:
-                kw[key] = str(srv[key])
-        for key in ("tp_size", "cuda_device", "max_message_bytes", "max_live_leases", "etcd_ttl_s", "copy_threads",
-                    "max_leased_blocks", "max_claims_per_engine"):
-            if key in srv:
-                kw[key] = int(srv[key])
-        for key in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "peer_timeout_s", "drain_timeout_s"):
-            if key in srv:
-                kw[key] = float(srv[key])
-        for flag in ("lease_socket", "transfer_socket"):
-            if flag in srv:
-                if not isinstance(srv[flag], bool):
-                    raise InvalidArgument("INVALID_CONFIG", f"{path}: server.{flag} must be true or false")
-                kw[flag] = srv[flag]
-        try:
-            if "role" in srv:
-                kw["role"] = Role(srv["role"])
-            if "memory" in srv:
-                kw["memory"] = MemoryMode(srv["memory"])
-            for key in ("ranks", "cuda_devices"):
-                if key in srv:
-                    kw[key] = tuple(int(r) for r in srv[key])
-            for key in ("allowed_peers", "allowed_engines", "sibling_servers", "etcd_endpoints"):
-                if key in srv:
-                    kw[key] = tuple(str(p) for p in srv[key])
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument("INVALID_CONFIG", f"{path}: {e}") from e
+        kw = {key: _from_toml(f"{path}: server.{key}", value, _FIELD_TYPES[key]) for key, value in srv.items()}
         if "layout" in doc:
             kw["layout_table"] = doc["layout"]
         cfg = replace(cfg, **kw)

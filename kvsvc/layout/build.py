@@ -19,9 +19,36 @@ from kvsvc.layout.specs import (
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mla", "mamba", "uniform")
 
+# The keys each table may have: any other is a mistake to name, not to ignore (a misspelt
+# `num_block = 4096` used to give the default 64 blocks without a word).
+LAYOUT_KEYS = frozenset({"model_id", "total_num_kv_heads", "block_size", "num_blocks", "dtype", "groups",
+                         "kv_memory_layout", "region_layout", "dcp_size"})
+_LEAF_KEYS = {
+    "full_attention": frozenset({"kind", "dtype", "head_size", "head_size_v"}),
+    "sliding_window": frozenset({"kind", "dtype", "head_size", "sliding_window"}),
+    "mla": frozenset({"kind", "dtype", "head_size"}),
+    "mamba": frozenset({"kind", "dtype", "states"}),
+}
+_GROUP_EXTRA_KEYS = frozenset({"name", "num_layers"})  # a group's own, beside its kind's
+_UNIFORM_KEYS = frozenset({"name", "kind", "layers"})
+_STATE_KEYS = frozenset({"shape", "dtype"})
 
-def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType) -> KVCacheSpec:
+
+def _check_keys(table: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    if not isinstance(table, Mapping):
+        raise InvalidArgument("INVALID_LAYOUT", f"{where} must be a table, not {type(table).__name__}",
+                              {"where": where})
+    unknown = sorted(str(k) for k in table if k not in allowed)
+    if unknown:
+        raise InvalidArgument("UNKNOWN_LAYOUT_KEY", f"{where} has unknown keys {unknown}; it may have "
+                              f"{sorted(allowed)}", {"where": where, "unknown": ",".join(unknown)})
+
+
+def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType, where: str,
+               extra: frozenset[str] = frozenset()) -> KVCacheSpec:
     kind = d.get("kind", "full_attention")
+    if kind in _LEAF_KEYS:
+        _check_keys(d, _LEAF_KEYS[kind] | extra, where)
     dt = DType.parse(d["dtype"]) if "dtype" in d else dtype
     if kind == "full_attention":
         return FullAttentionSpec(block, heads, int(d.get("head_size", 64)), dt, int(d.get("head_size_v", 0)))
@@ -32,7 +59,8 @@ def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dt
     if kind == "mamba":
         states = d.get("states", [{"shape": [8, 16]}])
         shapes = []
-        for st in states:
+        for si, st in enumerate(states):
+            _check_keys(st, _STATE_KEYS, f"{where}.states[{si}]")
             full = [int(x) for x in st["shape"]]
             if full[0] % tp_size:
                 raise InvalidArgument(
@@ -54,6 +82,7 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
     """
     if tp_size <= 0:
         raise InvalidArgument("INVALID_TP_SIZE", f"tp_size must be positive, got {tp_size}", {"tp_size": tp_size})
+    _check_keys(d, LAYOUT_KEYS, "layout")
     k = int(d.get("total_num_kv_heads", 8))
     block = int(d.get("block_size", 16))
     dtype = DType.parse(str(d.get("dtype", "bfloat16")))
@@ -61,15 +90,20 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
     groups: list[KVCacheGroup] = []
     layer_no = 0
     for gi, g in enumerate(d.get("groups", [{"kind": "full_attention", "num_layers": 2}])):
+        where = f"layout.groups[{gi}]"
+        _check_keys(g, _UNIFORM_KEYS | _GROUP_EXTRA_KEYS | frozenset().union(*_LEAF_KEYS.values()), where)
         name = str(g.get("name", f"g{gi}"))
         if g.get("kind") == "uniform":
+            _check_keys(g, _UNIFORM_KEYS, where)
             inner: list[tuple[str, KVCacheSpec]] = []
-            for ld in g.get("layers", []):
-                inner.append((f"layers.{layer_no}", _leaf_spec(ld, heads=heads, tp_size=tp_size, block=block, dtype=dtype)))
+            for li, ld in enumerate(g.get("layers", [])):
+                inner.append((f"layers.{layer_no}", _leaf_spec(ld, heads=heads, tp_size=tp_size, block=block,
+                                                               dtype=dtype, where=f"{where}.layers[{li}]")))
                 layer_no += 1
             groups.append(KVCacheGroup(name, UniformTypeKVCacheSpecs(block, tuple(inner))))
             continue
-        spec = _leaf_spec(g, heads=heads, tp_size=tp_size, block=block, dtype=dtype)
+        spec = _leaf_spec(g, heads=heads, tp_size=tp_size, block=block, dtype=dtype, where=where,
+                          extra=_GROUP_EXTRA_KEYS)
         n = int(g.get("num_layers", 1))
         groups.append(KVCacheGroup(name, spec, tuple(f"layers.{layer_no + i}" for i in range(n))))
         layer_no += n

@@ -13,9 +13,9 @@ from kvsvc.client.client import ReleaseStream
 from kvsvc.errors import ErrorCode, KvsvcError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1.kv_transfer_pb2_grpc import KvTransferServiceStub
-from tests.e2e.harness import in_process_pair
+from tests.e2e.harness import in_process_pair, layout_table
 
-LAYOUT = {"num_layers": 2, "kv_heads": 2, "head_size": 16, "block_size": 4, "num_blocks": 512, "dtype": "float16"}
+LAYOUT = layout_table(nb=512)
 
 
 async def _publish_and_abort(pc: AsyncClient, rid: str, ids: list[int]) -> None:

@@ -124,3 +124,19 @@ def test_kv_heads_must_shard_over_tp(k, tp):
 @pytest.mark.parametrize(("k", "tp"), [(8, 16), (1, 8), (6, 3), (4, 4)])
 def test_kv_heads_shard_or_replicate(k, tp):
     assert simple_layout(tp_size=tp, kv_heads=k).validate(tp) is None
+
+
+@pytest.mark.parametrize("table, where, unknown", [
+    ({"num_block": 4096}, "layout", "num_block"),  # misspelt: it used to give the default 64 blocks
+    ({"groups": [{"kind": "full_attention", "head_sise": 128}]}, "layout.groups[0]", "head_sise"),
+    ({"groups": [{"kind": "mla", "sliding_window": 8}]}, "layout.groups[0]", "sliding_window"),
+    ({"groups": [{"kind": "uniform", "num_layers": 2, "layers": []}]}, "layout.groups[0]", "num_layers"),
+    ({"groups": [{"kind": "uniform", "layers": [{"kind": "mla", "num_layers": 3}]}]}, "layout.groups[0].layers[0]",
+     "num_layers"),
+    ({"groups": [{"kind": "mamba", "states": [{"shape": [8], "shap": [4]}]}]}, "layout.groups[0].states[0]", "shap"),
+])
+def test_unknown_layout_keys_are_named_not_ignored(table, where, unknown):
+    with pytest.raises(InvalidArgument) as e:
+        layout_from_dict(table, 1)
+    assert e.value.reason == "UNKNOWN_LAYOUT_KEY"
+    assert e.value.metadata == {"where": where, "unknown": unknown}
