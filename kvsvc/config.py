@@ -181,6 +181,15 @@ _SERVER_KEYS = frozenset(f for f in ServerConfig.__dataclass_fields__ if f != "l
 _FIELD_TYPES: dict[str, Any] = typing.get_type_hints(ServerConfig)
 
 
+def server_settings(where: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """[server] settings given elsewhere (an engine's connector config, as JSON values): each
+    read as its field's type, strictly; an unknown key is INVALID_CONFIG naming it."""
+    unknown = sorted(str(k) for k in settings if k not in _SERVER_KEYS)
+    if unknown:
+        raise InvalidArgument("INVALID_CONFIG", f"{where}: unknown keys {unknown}", {"unknown": ",".join(unknown)})
+    return {key: _from_toml(f"{where}: {key}", value, _FIELD_TYPES[key]) for key, value in settings.items()}
+
+
 def _from_toml(where: str, value: Any, kind: Any) -> Any:
     """value as a field of type kind (str, int, float, bool, an enum or tuple[T, ...]), strictly:
     a TOML value of another type is INVALID_CONFIG naming the key, never converted by guess."""

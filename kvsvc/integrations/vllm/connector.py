@@ -25,7 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvsvc.client import ClientOptions
-from kvsvc.config import Role
+from kvsvc.config import Role, server_settings
+from kvsvc.errors import KvsvcError
 from kvsvc.integrations.vllm.layout import describe
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
@@ -36,6 +37,24 @@ _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Ro
 # Passed to each worker's embedded server as its [server] settings (README, Config).
 _SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peers", "allowed_engines",
                 "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads")
+_EXTRA_KEYS = frozenset({*_SERVER_KEYS, "listen_host", "advertise_host"})
+
+
+def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """kv_connector_extra_config, refused at start-up when it has a key the connector does not
+    take (a misspelt key would otherwise be ignored) or a value of the wrong type."""
+    unknown = sorted(str(k) for k in extra if k not in _EXTRA_KEYS)
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; KvsvcConnector takes "
+                         f"{sorted(_EXTRA_KEYS)}")
+    for key in ("listen_host", "advertise_host"):
+        if key in extra and not isinstance(extra[key], str):
+            raise ValueError(f"kv_connector_extra_config.{key} must be a string, not {type(extra[key]).__name__}")
+    try:
+        settings = server_settings("kv_connector_extra_config", {k: extra[k] for k in _SERVER_KEYS if k in extra})
+    except KvsvcError as e:
+        raise ValueError(e.message) from None
+    return {**extra, **settings}
 
 
 def _model_id(vllm_config: Any) -> str:
@@ -60,7 +79,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {})
+        extra = _checked_extra(dict(ktc.kv_connector_extra_config or {}))
         self._config = vllm_config
         self._kv_role = _ROLES[ktc.kv_role]
         self._engine_id = str(ktc.engine_id)
