@@ -303,10 +303,12 @@ class TransferChannel:
                     call = self._client.channel.stream_stream(
                         _METHOD, request_serializer=pb.TransferStreamRequest.SerializeToString,
                         response_deserializer=pb.TransferStreamResponse.FromString)()
+                    self.streams_opened += 1  # opened, even if the server then refuses it
                     await _accepted(call)
                     stream = _Stream(call)
+                else:
+                    self.streams_opened += 1
                 self._stream = stream
-                self.streams_opened += 1
             return self._stream
 
     async def _open_socket(self) -> _SocketStream | None:

@@ -141,7 +141,13 @@ async def test_prefill_crash_is_peer_unavailable():
 
 NO_TEMP_DIR = """
 set -e
-for d in /tmp /var/tmp /usr/tmp; do [ -d "$d" ] && mount -t tmpfs -o ro,size=1m tmpfs "$d"; done
+# Each candidate made read-only in place (its files stay visible: this checkout or its venv may
+# live under /tmp), so that nothing can be made there, even by root.
+for d in /tmp /var/tmp /usr/tmp; do
+  [ -d "$d" ] || continue
+  mount --bind "$d" "$d"
+  mount -o remount,bind,ro "$d"
+done
 cd /proc  # the last candidate Python tries; nothing can be made there
 exec "$@"
 """
