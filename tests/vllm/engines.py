@@ -82,9 +82,12 @@ def side_channel_ports(count: int) -> int:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for an HTTP server started later (vLLM's API server, the router): chosen as the
+    side channel's are, never given twice in a session. A port-0 probe, closed at once, can
+    hand two servers started back to back the same port; vLLM's server binds with
+    SO_REUSEPORT, so both then listen and the kernel splits the requests between them (P and
+    D did exactly that in one CI run)."""
+    return side_channel_ports(1)
 
 
 def still_serving(address: str, grace_s: float = 15.0) -> bool:
