@@ -15,7 +15,7 @@ import numpy as np
 from kvsvc.client import AsyncClient
 from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.mapping.planner import Side, plan_rank
-from kvsvc.memory.pools import ShmPool
+from kvsvc.memory.pools import CudaPool, ShmPool
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -89,11 +89,12 @@ class RawNixl:
     """A NIXL agent of this process reading P's blocks directly: the same coalesced
     descriptors kvsvc would post, with no RPC, no lease, and a busy completion poll."""
 
-    def __init__(self, pc: AsyncClient, local_layout: pb.KvLayout, local_tp: int, name: str) -> None:
-        self.pc, self.name = pc, name
+    def __init__(self, pc: AsyncClient, local_layout: pb.KvLayout, local_tp: int, name: str,
+                 memory: str = "dram") -> None:
+        self.pc, self.name, self.memory = pc, name, memory
         self.side = Side.of(layout_from_proto(local_layout, tp_size=local_tp), local_tp)
         self._agent: Any = None
-        self._pool: ShmPool | None = None
+        self._pool: ShmPool | CudaPool | None = None
         self._reg: Any = None
         self._peer = ""
 
@@ -106,11 +107,17 @@ class RawNixl:
         self.remote_side = Side.of(layout_from_proto(hs.layout, tp_size=hs.tp_size), hs.tp_size)
         self.remote = hs.ranks[0]
         # The READs land in the same kind of memory as on D: a shared-memory pool with every
-        # page backed. (Into this process's private memory they ran at 1.6-2.3 GB/s here
-        # against 5.4-5.6 into shared memory, which compared the memory, not kvsvc.)
-        self._pool = ShmPool(0, self.side.pool.size_bytes, f"kvsvc-bench-raw-{os.getpid()}-{id(self):x}")
+        # page backed, or GPU memory. (Into this process's private memory they ran at
+        # 1.6-2.3 GB/s here against 5.4-5.6 into shared memory, which compared the memory,
+        # not kvsvc.)
+        if self.memory == "vram":
+            self._pool = CudaPool(0, self.side.pool.size_bytes, 0)
+        else:
+            self._pool = ShmPool(0, self.side.pool.size_bytes, f"kvsvc-bench-raw-{os.getpid()}-{id(self):x}")
+        pool = self._pool
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self._reg = self._agent.register_memory([(self._pool.base_address, self._pool.size_bytes, 0, "")], "DRAM")
+        self._reg = self._agent.register_memory([(pool.base_address, pool.size_bytes, pool.device_id, "")],
+                                                pool.memory_kind)
         peer = self._agent.add_remote_agent(self.remote.agent_metadata)
         self._peer = peer.decode() if isinstance(peer, bytes) else peer
         self._agent.make_connection(self._peer)
@@ -124,10 +131,12 @@ class RawNixl:
         remote_base = np.array([r.base_address for r in self.remote.regions], np.int64)
         la = local_base[reads.local_region] + reads.local_offset
         ra = remote_base[reads.remote_region] + reads.remote_offset
-        zeros = np.zeros_like(reads.length)
         agent = self._agent
-        local = agent.get_xfer_descs(np.stack([la, reads.length, zeros], 1).astype(np.uint64), "DRAM")
-        remote = agent.get_xfer_descs(np.stack([ra, reads.length, zeros], 1).astype(np.uint64), "DRAM")
+        remote_kind = "VRAM" if self.remote.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM"
+        local = agent.get_xfer_descs(np.stack([la, reads.length, np.full_like(reads.length, pool.device_id)], 1)
+                                     .astype(np.uint64), pool.memory_kind)
+        remote = agent.get_xfer_descs(np.stack([ra, reads.length, np.full_like(reads.length, self.remote.device_id)],
+                                               1).astype(np.uint64), remote_kind)
         times = []
         for i in range(runs + 1):  # run 0 warms the descriptors and endpoints
             handle = agent.initialize_xfer("READ", local, remote, self._peer)
@@ -156,8 +165,23 @@ class RawNixl:
             self._pool = None
 
 
-def memcpy_runs(nbytes: int, runs: int) -> list[float]:
-    """One copy of nbytes between two buffers of this process whose pages are already in."""
+def memcpy_runs(nbytes: int, runs: int, memory: str = "dram") -> list[float]:
+    """One copy of nbytes between two buffers of this process whose pages are already in
+    (on the GPU for "vram": a device-to-device copy, timed to its completion)."""
+    if memory == "vram":
+        import torch
+
+        src_t = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+        dst_t = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        dst_t.copy_(src_t)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            dst_t.copy_(src_t)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros(nbytes, np.uint8)
     dst[:] = 1

@@ -98,12 +98,16 @@ def client_options(args: argparse.Namespace) -> ClientOptions:
 
 
 def _attach(info: pb.GetInfoResponse) -> AttachedPool | None:
-    """The server's first pool mapped here, when it is shared memory on this host."""
-    if not info.pools or not info.pools[0].shm_name:
+    """The server's first pool mapped here, when it is shared memory on this host or GPU
+    memory this process can open (CUDA IPC)."""
+    if not info.pools:
+        return None
+    pool = info.pools[0]
+    if pool.memory_kind == pb.MEMORY_KIND_DRAM and not pool.shm_name:
         return None
     try:
-        return attach_pool(info.pools[0])
-    except (OSError, ValueError):
+        return attach_pool(pool)
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: CUDA IPC refused (another host, no device)
         return None
 
 
@@ -118,8 +122,10 @@ async def target(args: argparse.Namespace, num_blocks: int) -> AsyncIterator[Tar
         p_addr, d_addr = args.prefill, args.decode
     else:
         table = bench_layout(args.layers, num_blocks)
-        started = [start_server(engine_id="bench-prefill", role="prefill", tp_size=1, layout=table),
-                   start_server(engine_id="bench-decode", role="decode", tp_size=1, layout=table)]
+        started = [start_server(engine_id="bench-prefill", role="prefill", tp_size=1, layout=table,
+                                memory=args.memory),
+                   start_server(engine_id="bench-decode", role="decode", tp_size=1, layout=table,
+                                memory=args.memory)]
         p_addr, d_addr = started[0].address, started[1].address
     opts = client_options(args)
     try:
@@ -147,8 +153,29 @@ def verified(t: Target, p_ids: list[int], d_ids: list[int]) -> bool | None:
     if t.p_pool is None or t.d_pool is None:
         return None
     regions = build_pool_layout(layout_from_proto(t.p_info.layout, tp_size=t.p_info.tp_size)).regions
-    return all(np.array_equal(t.d_pool.region(t.d_info.pools[0].regions[r.index])[d_ids],
-                              t.p_pool.region(t.p_info.pools[0].regions[r.index])[p_ids]) for r in regions)
+    return all(same_bytes(t.d_pool.region(t.d_info.pools[0].regions[r.index])[d_ids],
+                          t.p_pool.region(t.p_info.pools[0].regions[r.index])[p_ids]) for r in regions)
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Two numpy arrays or two torch tensors (GPU ones compared on the GPU) hold equal bytes."""
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def fill_random(pool: AttachedPool, rng: np.random.Generator) -> None:
+    """Random bytes over a whole pool (P's), so a wrong block can never compare equal."""
+    data = rng.integers(0, 256, pool.buffer.shape[0], dtype=np.uint8)
+    if isinstance(pool.buffer, np.ndarray):
+        pool.buffer[:] = data
+        return
+    import torch
+
+    pool.buffer.copy_(torch.from_numpy(data))
+    torch.cuda.synchronize(pool.buffer.device)
 
 
 def _latency(s: Samples) -> dict[str, float]:
@@ -161,7 +188,7 @@ def _cpu_per_gb(cpu: dict[str, float], nbytes: int) -> dict[str, float]:
 
 
 async def size_point(t: Target, raw: RawNixl | None, n: int, pattern: str, p_ids: list[int], d_ids: list[int],
-                     runs: int) -> dict[str, Any]:
+                     runs: int, memory: str = "dram") -> dict[str, Any]:
     """Every path for one request size and block pattern; medians and percentiles."""
     meter = CpuMeter(t.pids)
     meter.start()
@@ -176,7 +203,7 @@ async def size_point(t: Target, raw: RawNixl | None, n: int, pattern: str, p_ids
     if raw is not None:
         times, raw_bytes = raw.run(p_ids, d_ids, runs)
         row.update(raw_nixl_ms=1e3 * med(times), raw_nixl_gbps=gbps(raw_bytes, med(times)), raw_nixl_bytes=raw_bytes)
-    mem = memcpy_runs(ks.nbytes, runs)
+    mem = memcpy_runs(ks.nbytes, runs, memory)
     row.update(memcpy_ms=1e3 * med(mem), memcpy_gbps=gbps(ks.nbytes, med(mem)))
     return row
 
@@ -269,11 +296,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         progress = Progress(2 * len(sizes) + 1 + 2 * len(concurrency) + 2, args.quiet)
         rng = np.random.default_rng(1)
         if t.p_pool is not None:
-            t.p_pool.buffer[:] = rng.integers(0, 256, t.p_pool.buffer.size, dtype=np.uint8)
+            fill_random(t.p_pool, rng)
         raw: RawNixl | None = None
         raw_error = ""
         try:
-            raw = RawNixl(t.pc, t.d_info.layout, t.d_info.tp_size, f"bench-raw-{os.getpid()}")
+            raw = RawNixl(t.pc, t.d_info.layout, t.d_info.tp_size, f"bench-raw-{os.getpid()}", args.memory)
             await raw.start()
         except Exception as e:  # a remote P that does not accept this process as a peer
             if raw is not None:
@@ -290,7 +317,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "contiguous": (list(range(n)), list(range(n))),
                 }
                 for pattern, (p_ids, d_ids) in patterns.items():
-                    row = await size_point(t, raw, n, pattern, p_ids, d_ids, args.runs)
+                    row = await size_point(t, raw, n, pattern, p_ids, d_ids, args.runs, args.memory)
                     points.append(row)
                     progress.step(f"{row['bytes'] / MIB:.2f} MiB {pattern}: kvsvc {row['kvsvc_transfer_gbps']:.2f} "
                                   f"GB/s, raw NIXL {row.get('raw_nixl_gbps', 0):.2f} GB/s")
@@ -368,6 +395,6 @@ def summarise(points: list[dict[str, Any]], cold: dict[str, Any], conc: list[dic
         "plan_128k_tokens_61_layers_ms": plan_ms, "plan_128k_descriptors": plan_desc,
         "plan_1_block_us_by_layers": plan_one_block_us(),
         "ucx_transports": transports, "raw_nixl_error": raw_error,
-        "layers": args.layers, "runs": args.runs, "max_mib": args.max_mib,
+        "layers": args.layers, "runs": args.runs, "max_mib": args.max_mib, "memory": getattr(args, "memory", "dram"),
         "sizes": points, "cold": cold, "concurrency": conc,
     }

@@ -14,6 +14,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--layers", type=int, default=4, help="layers of the benchmark model (default 4: 256 KiB blocks)")
     b.add_argument("--concurrency", default="1,8,32", help="requests in flight to try (default 1,8,32)")
     b.add_argument("--requests", type=int, default=400, help="1-block requests per concurrency level (default 400)")
+    b.add_argument("--memory", choices=("dram", "vram"), default="dram",
+                   help="pools of the servers started here, the raw NIXL reader's and memcpy's buffers: host memory "
+                        "(dram, default) or GPU memory (vram: needs CUDA; memcpy is then a device-to-device copy)")
     b.add_argument("--prefill", metavar="ADDR", help="a running P server (with --decode; else two are started)")
     b.add_argument("--decode", metavar="ADDR", help="a running D server; its blocks are overwritten")
     b.add_argument("--ca", help="PEM roots for TLS to --prefill/--decode")
