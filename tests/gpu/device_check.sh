@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" >/dev/null; then
     site=$(mktemp -d /tmp/kvsvc-site-XXXX)
-    for w in .whl/*.whl; do unzip -q -o "$w" -d "$site" || echo "could not unpack $w"; done
+    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$site" || echo "could not unpack $w"; done
     export PYTHONPATH="$site:$PYTHONPATH"
 fi
 
@@ -34,16 +34,24 @@ import grpc, google.protobuf
 print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__)
 EOF
 
-step "tests/gpu"
-timeout 300 "$PY" -m pytest -p no:cacheprovider -p no:warnings -q -rA --timeout 120 -s tests/gpu \
-    2>&1 | tee "$OUT/pytest-gpu.txt" | tail -60
+step "raw NIXL over VRAM between two processes, by thread (bench/nixl_vram_probe.py)"
+timeout 120 "$PY" bench/nixl_vram_probe.py --mib 256 --runs 5 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"
+echo "--- the same on the allocating thread with UCX_TLS=cuda_ipc,cuda_copy,sm,self (no TCP)"
+UCX_TLS=cuda_ipc,cuda_copy,sm,self timeout 60 "$PY" bench/nixl_vram_probe.py --mib 256 --runs 5 --modes main 2>&1 \
+    | grep -v "NIXL INFO" | tail -30 | tee -a "$OUT/probe.txt"
 
 step "bench: VRAM"
 timeout 200 "$PY" -m kvsvc.cli.main bench --memory vram --runs 5 --max-mib 256 --requests 200 -q \
     --json "$OUT/bench-vram.json" 2>&1 | tee "$OUT/bench-vram.txt" | tail -45
 
+step "tests/gpu"
+timeout 300 "$PY" -m pytest -p no:cacheprovider -p no:warnings -q -rfE -p no:logging --timeout 120 -s tests/gpu \
+    2>&1 | tee "$OUT/pytest-gpu.txt" | tail -60
+
+if [ -n "${WITH_DRAM:-}" ]; then
 step "bench: DRAM, same machine"
 timeout 150 "$PY" -m kvsvc.cli.main bench --memory dram --runs 5 --max-mib 64 --requests 200 -q \
     --json "$OUT/bench-dram.json" 2>&1 | tee "$OUT/bench-dram.txt" | tail -45
+fi
 
 step "done"
