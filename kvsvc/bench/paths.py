@@ -100,7 +100,10 @@ class RawNixl:
 
     async def start(self) -> None:
         from kvsvc.transport.nixl_agents import load_nixl
+        from kvsvc.transport.ucx_cuda import allow_cuda_ipc_reads
 
+        if self.memory == "vram":
+            allow_cuda_ipc_reads()  # as kvsvc's servers do, before this process's first agent
         api = load_nixl()
         hs = await self.pc.handshake(pb.HandshakeRequest(engine_id=self.name, tp_size=self.side.tp_size,
                                                          layout=layout_to_proto(self.side.layout)))

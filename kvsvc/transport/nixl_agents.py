@@ -23,6 +23,7 @@ from kvsvc.memory.pools import Pool
 from kvsvc.transport.copy_lanes import CopyLanes
 from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
 from kvsvc.transport.reads import read_maker
+from kvsvc.transport.ucx_cuda import allow_cuda_ipc_reads, bind_cuda_device
 from kvsvc.transport.ucx_probe import enable_protocol_log, read_transports, remove_log
 
 log = logging.getLogger(__name__)
@@ -85,19 +86,6 @@ def _import_nixl_api() -> Any:
     return _api
 
 
-def bind_cuda_device(device: int) -> None:
-    """Make the device's CUDA context current on the calling thread (the NIXL thread).
-
-    UCX's CUDA transports work in the context current on the thread that registers the
-    memory and posts the READs; on a thread with none (the NIXL thread, which never ran
-    CUDA code itself) they were left out and GPU memory moved over TCP through host
-    staging (0.3 GB/s for 256 MiB on an H200, where cuda_ipc moves hundreds).
-    """
-    import torch  # VRAM pools exist only where torch has CUDA
-
-    torch.cuda.set_device(device)
-
-
 def _kvsvc_error(e: Exception, what: str) -> KvsvcError:
     """NIXL's exception (or the NIXL thread's) as the kvsvc error callers see."""
     if isinstance(e, KvsvcError):
@@ -152,6 +140,8 @@ class NixlDataPlane:
 
     async def start(self) -> None:
         self._ucx_log = enable_protocol_log()  # before UCX reads its environment
+        if any(pool.memory_kind == "VRAM" for pool in self._pools.values()):
+            allow_cuda_ipc_reads()
         api = load_nixl()
         self._thread.start()
         for rank, pool in sorted(self._pools.items()):
