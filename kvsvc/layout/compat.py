@@ -71,7 +71,8 @@ def check_compatibility(
     if local.dcp_size == remote.dcp_size == 1 and local.block_size % remote.block_size:
         out.append(_v("BLOCK_SIZE_MISMATCH",
                       f"local block size {local.block_size} must be a multiple of the remote {remote.block_size} "
-                      "(a larger remote block is unsupported)",
+                      "(a larger remote block is unsupported: give the prefill side a block size that divides the "
+                      "decode side's; under vLLM that is the attention backend's kernel block)",
                       local_block_size=local.block_size, remote_block_size=remote.block_size))
     if local.total_num_kv_heads != remote.total_num_kv_heads and _has_family(local, SpecFamily.ATTENTION):
         out.append(_v("KV_HEADS_MISMATCH",

@@ -96,6 +96,19 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
                 is_producer=self._kv_role in (Role.PREFILL, Role.BOTH), options=_client_options(extra, self._engine_id),
                 lease_ttl_ms=int(float(ttl) * 1000) if ttl else 0)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """LBHNC (heads outside tokens in a block) for attention models, as NixlConnector asks:
+        a TP pair that splits heads reads each head's rows of a block as one run, which
+        LBNHC (NHD, GPU backends' first choice) interleaves token by token; kvsvc refuses
+        such a pair under NHD. None for MLA, whose latent has no head axis. vLLM drops the
+        request, with a warning, where the attention backend cannot use LBHNC; the layout
+        then read from the tensors serves equal TP pairs."""
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None or getattr(model_config, "use_mla", False):
+            return None
+        return "LBHNC"
+
     # ---- worker side -----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

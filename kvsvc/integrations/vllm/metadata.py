@@ -10,11 +10,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 
 @dataclass
 class ServerInfo(KVConnectorHandshakeMetadata):
-    """A worker's embedded kvsvc server: where it listens, its epoch and the TP rank it hosts."""
+    """A worker's embedded kvsvc server: where it listens, its epoch, the TP rank it hosts and
+    how many of its blocks (the attention backend's kernel blocks) make one of vLLM's."""
 
     address: str
     epoch: int
     tp_rank: int
+    blocks_per_logical: int = 1
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm.layout import kernel_block_ids
 from kvsvc.integrations.vllm.loop import LoopThread
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -128,7 +129,10 @@ class KvsvcScheduler:
         """Lease the blocks on every worker's server; the params name them all."""
         clients = self._ensure_clients()
         assert self._loop is not None
-        ids = [pb.BlockIds(block_ids=list(g)) for g in block_ids]
+        per_logical = {info.blocks_per_logical for info in self._servers.values()}
+        if len(per_logical) != 1:
+            raise RuntimeError(f"workers split vLLM's blocks differently: {sorted(per_logical)}")
+        ids = [pb.BlockIds(block_ids=g) for g in kernel_block_ids(block_ids, per_logical.pop())]
         num_tokens = int(request.num_computed_tokens)
         first = pb.PublishBlocksRequest(request_id=request.request_id, block_ids_per_group=ids,
                                         lease_ttl_ms=self.lease_ttl_ms, num_tokens=num_tokens)

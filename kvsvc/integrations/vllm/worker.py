@@ -24,7 +24,7 @@ from kvsvc.client.leases import abort_published
 from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.config import Role, load_config
 from kvsvc.integrations.vllm import params as kvparams
-from kvsvc.integrations.vllm.layout import CacheDescription
+from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.loop import LoopThread
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
@@ -65,6 +65,7 @@ class KvsvcWorker:
         self._tasks: dict[str, asyncio.Task[Any]] = {}  # running transfers, on the loop
         self._given_up: set[str] = set()  # cancelled before their task ran
         self.info: ServerInfo | None = None
+        self._blocks_per_logical = 1  # kernel blocks (kvsvc's blocks) in one of vLLM's blocks
         self._lock = threading.Lock()
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._recv_done: set[str] = set()
@@ -91,7 +92,9 @@ class KvsvcWorker:
         self._server, self._client, port = self._loop.run(boot(), 60)
         self._loop.submit(self._loop.watch_stalls())
         info = self._loop.run(self._client.get_info(), 10)
-        self.info = ServerInfo(f"{self._advertise_host}:{port}", info.epoch, self.tp_rank)
+        self._blocks_per_logical = description.blocks_per_logical
+        self.info = ServerInfo(f"{self._advertise_host}:{port}", info.epoch, self.tp_rank,
+                               description.blocks_per_logical)
         if self.role in (Role.PREFILL, Role.BOTH):  # subscribed before any lease can exist
             stream = self._loop.run(self._client.open_release_stream(), 10)
             self._loop.submit(self._watch_releases(stream))
@@ -166,7 +169,8 @@ class KvsvcWorker:
             params = kvparams.from_vllm(recv.params)
             if self._transfers is None:
                 self._transfers = self._client.transfer_stream()
-            return await self._transfers.transfer(req_id, params, recv.local_block_ids, timeout_s=TRANSFER_TIMEOUT_S)
+            local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
+            return await self._transfers.transfer(req_id, params, local, timeout_s=TRANSFER_TIMEOUT_S)
         except BaseException as e:
             # vLLM frees (and may reuse) the request's blocks once told it ended: tell it only
             # when nothing of the transfer can write into them any more.
