@@ -7,7 +7,8 @@ the scheduler (KvsvcScheduler), one in each worker (KvsvcWorker); they talk only
 through the step metadata and the workers' transfer results.
 
 kv_connector_extra_config (all optional): listen_host (default 127.0.0.1), advertise_host,
-and the embedded servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
+lease_heartbeat_s (D: how often the P leases of requests waiting in D's queue are
+heartbeated, default 5; 0: never), and the embedded servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
 allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file, copy_threads.
 """
 
@@ -28,7 +29,7 @@ from kvsvc.client import ClientOptions
 from kvsvc.config import Role, server_settings
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.vllm.layout import describe
-from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
+from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
 from kvsvc.integrations.vllm.stats import KvsvcConnectorStats, KvsvcPromMetrics
 from kvsvc.integrations.vllm.worker import KvsvcWorker
@@ -37,7 +38,7 @@ _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Ro
 # Passed to each worker's embedded server as its [server] settings (README, Config).
 _SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peers", "allowed_engines",
                 "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads")
-_EXTRA_KEYS = frozenset({*_SERVER_KEYS, "listen_host", "advertise_host"})
+_EXTRA_KEYS = frozenset({*_SERVER_KEYS, "listen_host", "advertise_host", "lease_heartbeat_s"})
 
 
 def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
@@ -50,6 +51,10 @@ def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
     for key in ("listen_host", "advertise_host"):
         if key in extra and not isinstance(extra[key], str):
             raise ValueError(f"kv_connector_extra_config.{key} must be a string, not {type(extra[key]).__name__}")
+    beat = extra.get("lease_heartbeat_s", 0.0)
+    if isinstance(beat, bool) or not isinstance(beat, int | float) or not 0 <= beat <= 3600:
+        raise ValueError(f"kv_connector_extra_config.lease_heartbeat_s must be a number of seconds from 0 (off) to "
+                         f"3600, not {beat!r}")
     try:
         settings = server_settings("kv_connector_extra_config", {k: extra[k] for k in _SERVER_KEYS if k in extra})
     except KvsvcError as e:
@@ -94,7 +99,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KvsvcScheduler(
                 engine_id=self._engine_id, tp_size=self._tp_size, dcp_size=self._dcp_size,
                 is_producer=self._kv_role in (Role.PREFILL, Role.BOTH), options=_client_options(extra, self._engine_id),
-                lease_ttl_ms=int(float(ttl) * 1000) if ttl else 0)
+                lease_ttl_ms=int(float(ttl) * 1000) if ttl else 0,
+                lease_heartbeat_s=float(extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -122,7 +128,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = KvsvcWorker(engine_id=self._engine_id, role=self._kv_role, tp_rank=rank,
                                    tp_size=self._tp_size, listen_host=self._extra.get("listen_host", "127.0.0.1"),
                                    advertise_host=self._extra.get("advertise_host"), server_overrides=overrides,
-                                   client_options=_client_options(self._extra, self._engine_id))
+                                   client_options=_client_options(self._extra, self._engine_id),
+                                   heartbeat_s=float(self._extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)))
         self._worker.start(description)
 
     def get_handshake_metadata(self) -> Any:
@@ -177,6 +184,10 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         assert self._scheduler is not None
         self._scheduler.set_servers(metadata)
+
+    def on_new_request(self, request: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         assert self._scheduler is not None

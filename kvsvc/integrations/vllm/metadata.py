@@ -7,6 +7,11 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
+LEASE_HEARTBEAT_S = 5.0
+"""How often D heartbeats the P leases of requests in its queue: a sixth of kvsvc's default
+lease TTL (30 s), as NixlConnector does with its own; keep lease_heartbeat_s below a third of
+the P engines' lease_ttl_s."""
+
 
 @dataclass
 class ServerInfo(KVConnectorHandshakeMetadata):
@@ -35,3 +40,8 @@ class KvsvcConnectorMetadata(KVConnectorMetadata):
     abandon: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Requests aborted while their transfer runs: the transfer is cancelled (it then frees P).
     cancel: set[str] = field(default_factory=set)
+    # Requests that arrived in D's queue with kvsvc params: rank 0's worker heartbeats their
+    # P leases, on its own timer, until they appear in stop_keep_alive (given blocks: their
+    # transfer holds the lease; or finished), so a long wait does not expire them.
+    keep_alive: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stop_keep_alive: set[str] = field(default_factory=set)

@@ -4,7 +4,11 @@ P: request_finished leases the finished request's blocks on every worker's kvsvc
 (one PublishBlocks per server, the first mints the lease token, the others lease under
 it), keeps the blocks (delay_free) and returns the params a router copies to D.
 D: requests with kvsvc params report their prompt as loadable asynchronously; the
-blocks vLLM allocates for them go to the workers in the step's metadata.
+blocks vLLM allocates for them go to the workers in the step's metadata. Until then (a
+request can wait in D's queue for a long time when its KV cache is full) their P leases
+are kept alive: the metadata tells rank 0's worker when such a request arrives and when
+it stops waiting, and the worker heartbeats the waiting ones on its own timer (not on
+D's steps, which can take longer than a lease on a loaded host), off this thread.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import kernel_block_ids
 from kvsvc.integrations.vllm.loop import LoopThread
-from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Receive, ServerInfo
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
@@ -28,7 +32,8 @@ FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 class KvsvcScheduler:
     def __init__(self, *, engine_id: str, tp_size: int, dcp_size: int, is_producer: bool,
-                 options: ClientOptions | None = None, lease_ttl_ms: int = 0) -> None:
+                 options: ClientOptions | None = None, lease_ttl_ms: int = 0,
+                 lease_heartbeat_s: float = LEASE_HEARTBEAT_S) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.dcp_size = dcp_size
@@ -40,6 +45,9 @@ class KvsvcScheduler:
         self._clients: list[AsyncClient] = []
         self._meta = KvsvcConnectorMetadata()
         self._waiting: set[str] = set()  # D requests parked until their transfer ends
+        # D requests with kvsvc params not yet given blocks: their P leases are heartbeated.
+        self._queued: set[str] = set()
+        self.lease_heartbeat_s = lease_heartbeat_s
 
     # ---- set-up ----------------------------------------------------------------------
 
@@ -71,6 +79,17 @@ class KvsvcScheduler:
 
     # ---- D: what to load -------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        if kvparams.is_kvsvc(request.kv_transfer_params) and self.lease_heartbeat_s > 0:
+            self._queued.add(request.request_id)
+            self._meta.keep_alive[request.request_id] = dict(request.kv_transfer_params)
+
+    def _stop_keeping(self, req_id: str) -> None:
+        if req_id in self._queued:
+            self._queued.discard(req_id)
+            if self._meta.keep_alive.pop(req_id, None) is None:  # the worker heard of it: tell it
+                self._meta.stop_keep_alive.add(req_id)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not kvparams.is_kvsvc(params):
@@ -85,6 +104,7 @@ class KvsvcScheduler:
         params = request.kv_transfer_params
         if not kvparams.is_kvsvc(params):
             return
+        self._stop_keeping(request.request_id)  # its transfer claims (and extends) the lease itself
         # Only the blocks D does not hold already (a prefix hit keeps its hashed blocks).
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[] for _ in blocks.blocks]
         awaiting = num_external_tokens > 0
@@ -104,6 +124,7 @@ class KvsvcScheduler:
     # ---- both: a finished request ----------------------------------------------------
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._stop_keeping(request.request_id)
         params = request.kv_transfer_params
         if not params:
             return False, None

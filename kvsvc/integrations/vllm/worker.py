@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
@@ -20,13 +21,14 @@ from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
-from kvsvc.client.leases import abort_published
+from kvsvc.client.leases import abort_published, heartbeat_published
 from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.config import Role, load_config
+from kvsvc.errors import KvsvcError
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.loop import LoopThread
-from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -36,6 +38,10 @@ log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and l
 TRANSFER_TIMEOUT_S = 120.0
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
+
+
+def _addresses(params: pb.TransferParams) -> list[str]:
+    return [s.address for s in params.remote_servers] or [params.remote_address]
 
 
 def _log_under_vllm() -> None:
@@ -51,7 +57,7 @@ def _log_under_vllm() -> None:
 class KvsvcWorker:
     def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
-                 client_options: ClientOptions | None = None) -> None:
+                 client_options: ClientOptions | None = None, heartbeat_s: float = LEASE_HEARTBEAT_S) -> None:
         self.engine_id, self.role, self.tp_rank, self.tp_size = engine_id, role, tp_rank, tp_size
         self._listen_host, self._advertise_host = listen_host, advertise_host or listen_host
         self._overrides = dict(server_overrides or {})
@@ -66,6 +72,12 @@ class KvsvcWorker:
         self._given_up: set[str] = set()  # cancelled before their task ran
         self.info: ServerInfo | None = None
         self._blocks_per_logical = 1  # kernel blocks (kvsvc's blocks) in one of vLLM's blocks
+        # Rank 0: P leases of the requests waiting in D's queue, heartbeated on the loop.
+        self._heartbeat_s = heartbeat_s
+        self._kept: dict[str, pb.TransferParams] = {}
+        self._keeper: asyncio.Future[None] | None = None
+        self._beat_now = asyncio.Event()
+        self._heartbeat_channels: dict[str, AsyncClient] = {}  # P server address -> kept channel (on the loop)
         self._lock = threading.Lock()
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._recv_done: set[str] = set()
@@ -119,7 +131,14 @@ class KvsvcWorker:
             server, client, transfers = self._server, self._client, self._transfers
             self._server = self._client = self._transfers = None
 
+            channels, self._heartbeat_channels = self._heartbeat_channels, {}
+            keeper, self._kept = self._keeper, {}
+
             async def down() -> None:
+                if keeper is not None:
+                    keeper.cancel()
+                for c in channels.values():
+                    await c.close()
                 if transfers is not None:
                     await transfers.close()
                 if client is not None:
@@ -147,6 +166,9 @@ class KvsvcWorker:
         if self.tp_rank == 0:  # one abort per abandoned request is enough (it names every P server)
             for req_id, params in meta.abandon.items():
                 self._loop.submit(self._abandon(req_id, params))
+            if meta.keep_alive or meta.stop_keep_alive:
+                self._loop.loop.call_soon_threadsafe(self._update_kept, dict(meta.keep_alive),
+                                                     set(meta.stop_keep_alive))
 
     def _give_up(self, req_id: str) -> None:
         """On the loop: cancel req_id's transfer (or, not started yet, keep it from starting)."""
@@ -205,6 +227,52 @@ class KvsvcWorker:
                 self._recv_done.add(req_id)
                 if failed:
                     self._recv_failed.add(req_id)
+
+    def _update_kept(self, new: dict[str, dict[str, Any]], done: set[str]) -> None:
+        """On the loop: requests that started or stopped waiting in D's queue; a new one is
+        heartbeated at once (its lease may be old already), then every lease_heartbeat_s."""
+        if self._heartbeat_s <= 0:
+            return
+        for req_id, params in new.items():
+            try:
+                self._kept[req_id] = kvparams.from_vllm(params)
+            except KvsvcError:
+                continue  # the load will refuse these params itself
+        for req_id in done:
+            self._kept.pop(req_id, None)
+        if new and self._kept:
+            self._beat_now.set()
+        if self._kept and (self._keeper is None or self._keeper.done()):
+            self._keeper = asyncio.ensure_future(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        """On the loop while any request waits: heartbeat the waiting requests' P leases
+        (never raises: a failure is logged and the next round tries again)."""
+        while self._kept:
+            self._beat_now.clear()
+            try:
+                waiting = dict(self._kept)
+                answers = await heartbeat_published(waiting, engine_id=self.engine_id, options=self._options,
+                                                    channels=self._heartbeat_channels)
+                lost = {r: a for r, a in answers.items() if any(v != "LEASE_STATE_OFFERED" for v in a.values())
+                        and r in self._kept}
+                for r in lost:  # nothing left to keep: its load will fail (and D recompute)
+                    self._kept.pop(r, None)
+                if lost:
+                    log.warning("kvsvc: the leases of %d waiting requests were already gone: %s", len(lost),
+                                dict(list(lost.items())[:4]))
+                await self._trim_heartbeat_channels({a for p in self._kept.values() for a in _addresses(p)})
+            except Exception as e:
+                log.warning("kvsvc: lease heartbeat failed: %s", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self._heartbeat_s)
+        await self._trim_heartbeat_channels(set())
+
+    async def _trim_heartbeat_channels(self, in_use: set[str]) -> None:
+        """Close the kept channels to P servers no waiting request names any more (bounded:
+        a P engine restarted on new ports leaves none behind)."""
+        for address in [a for a in self._heartbeat_channels if a not in in_use]:
+            await self._heartbeat_channels.pop(address).close()
 
     async def _abandon(self, req_id: str, params: dict[str, Any]) -> None:
         try:

@@ -1,0 +1,138 @@
+"""A request that waits in D's queue longer than P's lease still loads: D's connector
+heartbeats the P leases of the requests it holds and has not yet given blocks to.
+
+The connector's own scheduler and rank-0 worker (no vLLM engine around them), a real P
+server process whose leases live 1.5 s, real NIXL. D takes one step as the request
+arrives, then none for three lease lifetimes (a long step, or an idle engine: the worker
+heartbeats on its own timer), then vLLM gives the request blocks and it loads. Without
+heartbeats (the control) the lease has expired by then and the load fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvsvc.cli.procs import start_server
+from kvsvc.client import AsyncClient
+from kvsvc.config import Role
+from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm.layout import CacheDescription
+from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive
+from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
+from kvsvc.integrations.vllm.worker import KvsvcWorker
+from kvsvc.layout import layout_from_dict
+from kvsvc.layout.regions import build_pool_layout
+
+TTL_S = 1.5
+TABLE = {"model_id": "hb", "total_num_kv_heads": 2, "block_size": 16, "num_blocks": 32, "dtype": "bfloat16",
+         "groups": [{"name": "full", "kind": "full_attention", "num_layers": 2, "head_size": 64}]}
+
+
+def _buffers() -> list[torch.Tensor]:
+    regions = build_pool_layout(layout_from_dict(TABLE, tp_size=1)).regions
+    return [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8) for r in regions]
+
+
+def _request(req_id: str, params: dict) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=params, num_prompt_tokens=4 * 16,
+                           status=SimpleNamespace(name="FINISHED_ABORTED"))
+
+
+def _load_outcome(worker: KvsvcWorker, req_id: str, timeout_s: float = 30.0) -> str:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        _, recving, failed = worker.transfer_results(set())
+        if req_id in recving:
+            return "failed" if req_id in failed else "loaded"
+        time.sleep(0.005)
+    return "never reported"
+
+
+async def _lease_states(address: str) -> dict[str, str]:
+    async with AsyncClient(address) as pc:
+        from kvsvc.v1 import kv_transfer_pb2 as pb
+
+        return {lease.request_id: pb.LeaseState.Name(lease.state) for lease in (await pc.list_leases()).leases}
+
+
+def _wait_in_queue(heartbeat_s: float, tmp_path) -> tuple[dict[str, str], str, KvsvcScheduler]:
+    """One request waits 3 lease lifetimes in D's queue, then loads: (P's leases after the
+    wait, the load's outcome, D's scheduler)."""
+    config = tmp_path / "p.toml"
+    config.write_text(f"[server]\nlease_ttl_s = {TTL_S}\n")
+    p = start_server(engine_id="hb-p", role="prefill", tp_size=1, layout=TABLE, config_file=str(config))
+    worker = KvsvcWorker(engine_id="hb-d", role=Role.DECODE, tp_rank=0, tp_size=1, heartbeat_s=heartbeat_s)
+    sched = KvsvcScheduler(engine_id="hb-d", tp_size=1, dcp_size=1, is_producer=False,
+                           lease_heartbeat_s=heartbeat_s)
+    try:
+        worker.start(CacheDescription(TABLE, _buffers()))
+
+        async def publish():
+            async with AsyncClient(p.address) as pc:
+                return await pc.publish_blocks("hb-1", [[1, 2, 3, 4]])
+
+        pub = asyncio.run(publish())
+        params = kvparams.to_vllm(pub.params, num_tokens=4 * 16, tp_size=1, dcp_size=1)
+        req = _request("d-hb-1", params)
+        sched.on_new_request(req)
+        worker.start_load_kv(sched.build_connector_meta(None))  # the step it arrives in
+        time.sleep(3 * TTL_S)  # no step while it waits
+        leases = asyncio.run(_lease_states(p.address))
+        blocks = SimpleNamespace(blocks=[[]], get_unhashed_block_ids_all_groups=lambda: [[9, 10, 11, 12]])
+        sched.update_state_after_alloc(req, blocks, 4 * 16)
+        meta = sched.build_connector_meta(None)
+        assert isinstance(meta, KvsvcConnectorMetadata) and set(meta.receive) == {"d-hb-1"}
+        # Given blocks, it is no longer heartbeated: its transfer holds the lease now.
+        assert meta.stop_keep_alive == ({"d-hb-1"} if heartbeat_s else set())
+        assert isinstance(meta.receive["d-hb-1"], Receive)
+        worker.start_load_kv(meta)
+        return leases, _load_outcome(worker, "d-hb-1"), sched
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        p.stop()
+
+
+def test_a_request_waiting_longer_than_the_lease_still_loads(tmp_path):
+    leases, outcome, _ = _wait_in_queue(0.3, tmp_path)
+    assert leases.get("hb-1") == "LEASE_STATE_OFFERED", leases
+    assert outcome == "loaded"
+
+
+def test_without_heartbeats_the_lease_expires_in_the_queue(tmp_path):
+    """The control: the same wait with heartbeats off fails the load (the test can fail)."""
+    leases, outcome, _ = _wait_in_queue(0.0, tmp_path)
+    assert "hb-1" not in leases
+    assert outcome == "failed"
+
+
+def test_a_finished_request_stops_being_heartbeated():
+    sched = KvsvcScheduler(engine_id="d", tp_size=1, dcp_size=1, is_producer=False, lease_heartbeat_s=5)
+    def params() -> dict:
+        return {"do_remote_prefill": True, kvparams.KEY: {"remote_request_id": "r"}}
+
+    req = _request("d-1", params())
+    sched.on_new_request(req)
+    assert set(sched.build_connector_meta(None).keep_alive) == {"d-1"}
+    sched.request_finished(req, [[]])
+    meta = sched.build_connector_meta(None)
+    assert meta.stop_keep_alive == {"d-1"} and set(meta.abandon) == {"d-1"}  # and its lease is aborted at once
+    # Arrived and gone within one step: the workers hear of neither.
+    other = _request("d-2", params())
+    sched.on_new_request(other)
+    sched.request_finished(other, [[]])
+    meta = sched.build_connector_meta(None)
+    assert meta.keep_alive == {} and meta.stop_keep_alive == set() and set(meta.abandon) == {"d-2"}
+
+
+@pytest.mark.parametrize("value", ["5", -1, True, 10_000])
+def test_a_bad_heartbeat_setting_is_refused(value):
+    from kvsvc.integrations.vllm.connector import _checked_extra
+
+    with pytest.raises(ValueError, match="lease_heartbeat_s"):
+        _checked_extra({"lease_heartbeat_s": value})

@@ -1,0 +1,54 @@
+"""Requests that wait in D's queue longer than P's lease still load, with vLLM's defaults.
+
+D runs one request at a time (max_num_seqs=1), so of a batch P prefilled at once the last
+ones wait in D's queue for several of P's 3-second lease lifetimes; D's connector
+heartbeats their leases meanwhile. With the default kv_load_failure_policy ("fail") an
+expired lease would fail the request; here every one must load (P releases each
+CONSUMED, none EXPIRED) and answer as the aggregated engine does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.vllm.engines import KVSVC, PATIENT, Engine, Engines, kvsvc
+from tests.vllm.prompts import PROMPTS
+from tests.vllm.releases import Releases, p_servers
+
+pytestmark = pytest.mark.timeout(900)
+
+TTL_S = 3.0
+TOKENS = 160  # long enough that each request holds D for a while; the first 8 are compared
+
+
+def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, reference):
+    P = Engine("queue-p", engines.model, engines.logs, connector=kvsvc("kv_producer", lease_ttl_s=TTL_S))
+    d_conf = dict(KVSVC, kv_role="kv_consumer",  # kv_load_failure_policy left at vLLM's default
+                  kv_connector_extra_config={**PATIENT, "lease_heartbeat_s": 0.3})
+    D = Engine("queue-d", engines.model, engines.logs, connector=d_conf, engine_args={"max_num_seqs": 1, "num_gpu_blocks_override": 17})
+    try:
+        P.wait_ready()
+        D.wait_ready()
+        prompts = [PROMPTS[5], PROMPTS[9]] * 6
+        outs = P.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+        params = [o["kv_transfer_params"] for o in outs]
+        releases = Releases([a for p in params for a in p_servers(p)])
+        try:
+            t0 = time.monotonic()
+            got = D.generate(prompts, TOKENS, params)
+            waited = time.monotonic() - t0
+            ids = [p["remote_request_id"] for p in params]
+            released = releases.wait(ids)
+            assert all(released.get(r) == ["RELEASE_REASON_CONSUMED"] for r in ids), (released, D.tail())
+        finally:
+            releases.close()
+        # The scenario happened: the last requests waited past P's lease.
+        assert waited > 2 * TTL_S, f"D answered in {waited:.1f} s: no request outlived its lease in the queue"
+        for o, alone in zip(got, [reference["alone-5"][0], reference["alone-9"][0]] * 6, strict=True):
+            assert o["token_ids"][:8] == alone["token_ids"]
+            assert o["logprobs"][:8] == alone["logprobs"]
+    finally:
+        for e in (D, P):
+            e.stop()
