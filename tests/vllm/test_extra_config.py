@@ -23,3 +23,75 @@ def test_an_unknown_key_or_a_wrong_type_is_refused_by_name(extra, named):
     with pytest.raises(ValueError) as e:
         _checked_extra(extra)
     assert named in str(e.value)
+
+
+def _vllm_config(name_or_path: str, layers: int = 2, spec=None):
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     architectures=["LlamaForCausalLM"])  # as a config.json on disk says
+    hf._name_or_path = name_or_path
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, model=name_or_path, dtype="torch.bfloat16"),
+                           cache_config=SimpleNamespace(cache_dtype="auto"), speculative_config=spec)
+
+
+def test_the_model_identity_is_the_model_not_its_path():
+    from types import SimpleNamespace
+
+    from kvsvc.integrations.vllm.connector import _model_id
+
+    p = _model_id(_vllm_config("/models/llama"), {})
+    assert p == _model_id(_vllm_config("/mnt/weights/llama-copy"), {})  # same weights, another mount
+    assert p.startswith("LlamaForCausalLM@")
+    assert p != _model_id(_vllm_config("/models/llama", layers=3), {})
+    assert p != _model_id(_vllm_config("/models/llama", spec=SimpleNamespace(method="eagle",
+                                                                             num_speculative_tokens=3)), {})
+    assert _model_id(_vllm_config("/models/llama"), {"model_id": "llama-3-8b"}) == "llama-3-8b"
+
+
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "prefill_context_parallel_size"])
+def test_unsupported_parallelism_is_refused_at_start(name):
+    from types import SimpleNamespace
+
+    from kvsvc.integrations.vllm.connector import check_parallelism
+
+    check_parallelism(SimpleNamespace(pipeline_parallel_size=1, prefill_context_parallel_size=1,
+                                      decode_context_parallel_size=2))
+    with pytest.raises(ValueError, match=name):
+        check_parallelism(SimpleNamespace(**{"pipeline_parallel_size": 1, "prefill_context_parallel_size": 1,
+                                             name: 2}))
+
+
+@pytest.mark.parametrize("extra", [{"listen_port": -1}, {"listen_port": 70000}, {"listen_port": "9000"},
+                                   {"model_id": ""}, {"model_id": 7}])
+def test_bad_port_or_model_id_is_refused(extra):
+    with pytest.raises(ValueError, match=next(iter(extra))):
+        _checked_extra(extra)
+
+
+def test_a_fixed_listen_port_is_base_plus_rank():
+    import socket
+
+    import torch
+
+    from kvsvc.config import Role
+    from kvsvc.integrations.vllm.layout import CacheDescription
+    from kvsvc.integrations.vllm.worker import KvsvcWorker
+    from kvsvc.layout import layout_from_dict
+    from kvsvc.layout.regions import build_pool_layout
+
+    table = {"model_id": "fp", "total_num_kv_heads": 2, "block_size": 16, "num_blocks": 8, "dtype": "bfloat16",
+             "groups": [{"name": "full", "kind": "full_attention", "num_layers": 1, "head_size": 64}]}
+    regions = build_pool_layout(layout_from_dict(table, tp_size=2)).regions
+    with socket.socket() as s:  # a base whose rank-1 port is free now
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1] - 1
+    w = KvsvcWorker(engine_id="fp", role=Role.DECODE, tp_rank=1, tp_size=2, listen_port=base)
+    try:
+        info = w.start(CacheDescription(table, [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8)
+                                                for r in regions]))
+        assert info.address == f"127.0.0.1:{base + 1}"
+    finally:
+        w.shutdown()

@@ -7,6 +7,10 @@ the scheduler (KvsvcScheduler), one in each worker (KvsvcWorker); they talk only
 through the step metadata and the workers' transfer results.
 
 kv_connector_extra_config (all optional): listen_host (default 127.0.0.1), advertise_host,
+listen_port (the embedded servers listen on listen_port + TP rank, so firewalls and
+NetworkPolicies can name them; default 0: any free port), model_id (what P and D must
+agree on; default: the model's architecture and a digest of its config, vLLM version,
+dtypes and speculative decoding, not its path),
 lease_heartbeat_s (D: how often the P leases of requests waiting in D's queue are
 heartbeated, default 5; 0: never), and the embedded servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
 allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file, copy_threads.
@@ -15,6 +19,7 @@ allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_fi
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,7 +43,8 @@ _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Ro
 # Passed to each worker's embedded server as its [server] settings (README, Config).
 _SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peers", "allowed_engines",
                 "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads")
-_EXTRA_KEYS = frozenset({*_SERVER_KEYS, "listen_host", "advertise_host", "lease_heartbeat_s"})
+_EXTRA_KEYS = frozenset({*_SERVER_KEYS, "listen_host", "advertise_host", "listen_port", "lease_heartbeat_s",
+                         "model_id"})
 
 
 def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
@@ -48,9 +54,15 @@ def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; KvsvcConnector takes "
                          f"{sorted(_EXTRA_KEYS)}")
-    for key in ("listen_host", "advertise_host"):
+    for key in ("listen_host", "advertise_host", "model_id"):
         if key in extra and not isinstance(extra[key], str):
             raise ValueError(f"kv_connector_extra_config.{key} must be a string, not {type(extra[key]).__name__}")
+    if "model_id" in extra and not 0 < len(extra["model_id"]) <= 200:
+        raise ValueError("kv_connector_extra_config.model_id must be 1 to 200 characters")
+    port = extra.get("listen_port", 0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"kv_connector_extra_config.listen_port must be a port number (0: any free port), "
+                         f"not {port!r}")
     beat = extra.get("lease_heartbeat_s", 0.0)
     if isinstance(beat, bool) or not isinstance(beat, int | float) or not 0 <= beat <= 3600:
         raise ValueError(f"kv_connector_extra_config.lease_heartbeat_s must be a number of seconds from 0 (off) to "
@@ -62,10 +74,51 @@ def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
     return {**extra, **settings}
 
 
-def _model_id(vllm_config: Any) -> str:
-    """What P and D must agree on: the model (a long path is hashed to fit kvsvc's id limit)."""
-    name = str(vllm_config.model_config.model)
-    return name if len(name) <= 200 else "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+# Fields of a model's config that say where it was loaded from or by what, not what it is.
+_NOT_IDENTITY = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash"})
+
+
+def _model_id(vllm_config: Any, extra: dict[str, Any]) -> str:
+    """What P and D must agree on, checked at every handshake: kv_connector_extra_config's
+    model_id when set; otherwise the model's architecture and a digest of what decides its
+    KV bytes -- its config (not the path it was loaded from: P and D pods mounting the same
+    weights at different paths agree), vLLM's version, the model and KV cache dtypes and
+    the speculative-decoding method -- as NixlConnector's compatibility hash covers."""
+    if extra.get("model_id"):
+        return str(extra["model_id"])
+    mc = vllm_config.model_config
+    hf = getattr(mc, "hf_config", None)
+    config = {k: v for k, v in hf.to_dict().items() if k not in _NOT_IDENTITY} if hf is not None else {
+        "model": str(mc.model)}
+    spec = getattr(vllm_config, "speculative_config", None)
+    factors = {"config": config, "vllm": _vllm_version(), "dtype": str(getattr(mc, "dtype", "")),
+               "cache_dtype": str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "")),
+               "speculative": [str(getattr(spec, k, "")) for k in ("method", "num_speculative_tokens")]
+               if spec is not None else None}
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    arch = (getattr(hf, "architectures", None) or [getattr(hf, "model_type", None) or "model"])[0]
+    return f"{str(arch)[:100]}@{digest}"
+
+
+def _vllm_version() -> str:
+    try:
+        from vllm import __version__
+    except ImportError:
+        return ""
+    return str(__version__)
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Refuse, at start-up, the parallelism the connector does not move KV for: pipeline
+    parallelism (a rank holds only its stages' layers) and prefill context parallelism (a
+    request's KV is spread over ranks by token). Without this every publish would fail and
+    D silently recompute every prompt."""
+    for name, what in (("pipeline_parallel_size", "pipeline parallelism"),
+                       ("prefill_context_parallel_size", "prefill context parallelism")):
+        size = int(getattr(parallel_config, name, 1) or 1)
+        if size > 1:
+            raise ValueError(f"KvsvcConnector does not support {what} ({name}={size}); run the engine with "
+                             f"{name}=1 (tensor parallelism and decode context parallelism are supported)")
 
 
 def _client_options(extra: dict[str, Any], engine_id: str) -> ClientOptions | None:
@@ -89,6 +142,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_role = _ROLES[ktc.kv_role]
         self._engine_id = str(ktc.engine_id)
         par = vllm_config.parallel_config
+        check_parallelism(par)
         self._tp_size = par.tensor_parallel_size
         self._dcp_size = getattr(par, "decode_context_parallel_size", 1) or 1
         self._extra = extra
@@ -121,7 +175,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank()
-        description = describe(kv_caches, self._kv_cache_config, model_id=_model_id(self._config),
+        description = describe(kv_caches, self._kv_cache_config, model_id=_model_id(self._config, self._extra),
                                total_num_kv_heads=self._config.model_config.get_total_num_kv_heads(),
                                dcp_size=self._dcp_size)
         overrides = {k: self._extra[k] for k in _SERVER_KEYS if k in self._extra}
@@ -129,7 +183,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
                                    tp_size=self._tp_size, listen_host=self._extra.get("listen_host", "127.0.0.1"),
                                    advertise_host=self._extra.get("advertise_host"), server_overrides=overrides,
                                    client_options=_client_options(self._extra, self._engine_id),
-                                   heartbeat_s=float(self._extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)))
+                                   heartbeat_s=float(self._extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)),
+                                   listen_port=int(self._extra.get("listen_port", 0)))
         self._worker.start(description)
 
     def get_handshake_metadata(self) -> Any:

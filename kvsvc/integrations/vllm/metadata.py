@@ -45,3 +45,7 @@ class KvsvcConnectorMetadata(KVConnectorMetadata):
     # transfer holds the lease; or finished), so a long wait does not expire them.
     keep_alive: dict[str, dict[str, Any]] = field(default_factory=dict)
     stop_keep_alive: set[str] = field(default_factory=set)
+    # P: requests whose blocks vLLM keeps until kvsvc releases their lease (request_finished
+    # answered delay_free). Only these may be reported finished sending: vLLM's scheduler
+    # fails hard on a request it did not delay.
+    delayed: set[str] = field(default_factory=set)

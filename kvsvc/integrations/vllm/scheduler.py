@@ -141,7 +141,9 @@ class KvsvcScheduler:
         if request.status.name not in FINISHED_OK or not any(len(g) for g in block_ids):
             return False, None
         try:
-            return True, self._publish(request, block_ids)
+            params = self._publish(request, block_ids)
+            self._meta.delayed.add(request.request_id)
+            return True, params
         except Exception as e:  # D then prefills itself; the blocks are freed now
             log.warning("kvsvc: could not lease %s for decode: %s", request.request_id, e)
             return False, None

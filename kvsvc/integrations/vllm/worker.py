@@ -57,9 +57,11 @@ def _log_under_vllm() -> None:
 class KvsvcWorker:
     def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
-                 client_options: ClientOptions | None = None, heartbeat_s: float = LEASE_HEARTBEAT_S) -> None:
+                 client_options: ClientOptions | None = None, heartbeat_s: float = LEASE_HEARTBEAT_S,
+                 listen_port: int = 0) -> None:
         self.engine_id, self.role, self.tp_rank, self.tp_size = engine_id, role, tp_rank, tp_size
         self._listen_host, self._advertise_host = listen_host, advertise_host or listen_host
+        self._listen_port = listen_port
         self._overrides = dict(server_overrides or {})
         self._options = client_options
         self._loop = LoopThread(f"kvsvc-worker-{tp_rank}")
@@ -82,17 +84,22 @@ class KvsvcWorker:
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
-        self._released: set[str] = set()  # P: leases kvsvc released
-        # P: requests vLLM said are finished (a release may be reported only for those), oldest
-        # first; bounded, since most finished requests (D's, aborted ones) are never released here.
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        # P: leases kvsvc released, and the requests whose blocks vLLM keeps for them (the
+        # scheduler's word, in the metadata); a request is reported finished sending once it
+        # is in both. Bounded, oldest dropped: most releases of requests vLLM did not delay
+        # never match (a publish that timed out on the scheduler but was applied).
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._delayed: OrderedDict[str, None] = OrderedDict()
+        self._stopping = False
+        self._release_stream: ReleaseStream | None = None
         self._stats = KvsvcConnectorStats()  # since vLLM last took them
 
     # ---- set-up ----------------------------------------------------------------------
 
     def start(self, description: CacheDescription) -> ServerInfo:
         _log_under_vllm()
-        config = load_config(listen=f"{self._listen_host}:0", engine_id=self.engine_id, role=self.role,
+        port = self._listen_port + self.tp_rank if self._listen_port else 0  # fixed: base + rank
+        config = load_config(listen=f"{self._listen_host}:{port}", engine_id=self.engine_id, role=self.role,
                              tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
                              **self._overrides)
 
@@ -114,17 +121,70 @@ class KvsvcWorker:
         return self.info
 
     async def _watch_releases(self, stream: ReleaseStream) -> None:
-        try:
-            async for ev in stream:
-                with self._lock:
-                    self._released.add(ev.request_id)
-                    counted = RELEASE_COUNTS.get(pb.ReleaseReason.Name(ev.reason))
-                    if counted:
-                        self._stats.count(counted)
-        finally:
-            stream.cancel()
+        """P: every lease this rank's server releases. A stream that ends (WATCH_BEHIND when
+        this loop fell 64 MiB behind, a broken connection) is logged and opened again, and
+        the requests vLLM still holds blocks for are looked up: one with no live lease any
+        more was released while nobody listened. Never raises into vLLM."""
+        delay = 0.05
+        while True:
+            self._release_stream = stream
+            try:
+                async for ev in stream:
+                    self._record_release(ev.request_id, pb.ReleaseReason.Name(ev.reason))
+                    delay = 0.05
+                if self._stopping:
+                    return
+                log.warning("kvsvc: rank %d's release stream ended; subscribing again", self.tp_rank)
+            except asyncio.CancelledError:
+                if self._stopping:
+                    raise
+                log.warning("kvsvc: rank %d's release stream was cancelled; subscribing again", self.tp_rank)
+            except Exception as e:
+                if self._stopping:
+                    return
+                log.warning("kvsvc: rank %d's release stream failed (%s); subscribing again", self.tp_rank, e)
+            finally:
+                stream.cancel()
+            stream = await self._resubscribe(delay)
+            delay = min(2 * delay, 5.0)
+            await self._reconcile_releases()
+
+    async def _resubscribe(self, delay: float) -> ReleaseStream:
+        assert self._client is not None
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                return await self._client.open_release_stream()
+            except Exception as e:
+                log.warning("kvsvc: rank %d cannot subscribe to its releases yet: %s", self.tp_rank, e)
+                delay = min(2 * delay, 5.0)
+
+    async def _reconcile_releases(self) -> None:
+        """After a gap in the release stream: each request vLLM holds blocks for whose lease
+        is no longer live was released in the gap (its reason unknown: not counted)."""
+        assert self._client is not None
+        with self._lock:
+            waiting = [r for r in self._delayed if r not in self._released]
+        for rid in waiting:
+            try:
+                listed = await self._client.list_leases(request_id_prefix=rid, limit=64)
+            except Exception as e:
+                log.warning("kvsvc: could not look up the lease of %s: %s", rid, e)
+                continue
+            if not any(lease.request_id == rid for lease in listed.leases):
+                self._record_release(rid, "")
+
+    def _record_release(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._released[request_id] = None
+            while len(self._released) > FINISHED_REMEMBERED:
+                self._released.popitem(last=False)
+            counted = RELEASE_COUNTS.get(reason)
+            if counted:
+                self._stats.count(counted)
 
     def shutdown(self) -> None:
+        self._stopping = True
         for fut in list(self._running.values()):
             fut.cancel()
         if self._server is not None:
@@ -154,6 +214,12 @@ class KvsvcWorker:
     # ---- each step -------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
+        if meta.delayed:
+            with self._lock:
+                for rid in meta.delayed:
+                    self._delayed[rid] = None
+                while len(self._delayed) > FINISHED_REMEMBERED:
+                    self._delayed.popitem(last=False)
         for req_id, recv in meta.receive.items():
             fut = self._loop.submit(self._transfer(req_id, recv))
             self._running[req_id] = fut
@@ -291,15 +357,13 @@ class KvsvcWorker:
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
         with self._lock:
-            if self.role is not Role.DECODE:
-                for rid in finished_req_ids:
-                    self._finished[rid] = None
-                while len(self._finished) > FINISHED_REMEMBERED:
-                    self._finished.popitem(last=False)
-            sending = {rid for rid in self._released if rid in self._finished}
-            self._released -= sending
+            # Only requests the scheduler delayed: a release of any other (vLLM freed its
+            # blocks already) must not reach vLLM's scheduler, which fails hard on it.
+            small, big = sorted((self._released, self._delayed), key=len)
+            sending = {rid for rid in small if rid in big}
             for rid in sending:
-                del self._finished[rid]
+                del self._released[rid]
+                del self._delayed[rid]
             recving, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()
         return sending, recving, failed

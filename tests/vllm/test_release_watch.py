@@ -1,0 +1,87 @@
+"""P's worker reports to vLLM only what vLLM waits for, and never stops hearing releases.
+
+The connector's P worker without a vLLM engine around it (its embedded server, real
+leases): a lease released for a request the scheduler did not delay (a publish that
+timed out on the scheduler but was applied) is never reported finished sending -- vLLM's
+scheduler fails hard on one; and a release stream that ends is opened again, with the
+releases missed in the gap found by looking the leases up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from kvsvc.client import AsyncClient
+from kvsvc.client.leases import abort_published
+from kvsvc.config import Role
+from kvsvc.integrations.vllm.layout import CacheDescription
+from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
+from kvsvc.integrations.vllm.worker import KvsvcWorker
+from kvsvc.layout import layout_from_dict
+from kvsvc.layout.regions import build_pool_layout
+
+TABLE = {"model_id": "rw", "total_num_kv_heads": 2, "block_size": 16, "num_blocks": 32, "dtype": "bfloat16",
+         "groups": [{"name": "full", "kind": "full_attention", "num_layers": 2, "head_size": 64}]}
+
+
+def _worker() -> KvsvcWorker:
+    regions = build_pool_layout(layout_from_dict(TABLE, tp_size=1)).regions
+    w = KvsvcWorker(engine_id="rw-p", role=Role.PREFILL, tp_rank=0, tp_size=1)
+    w.start(CacheDescription(TABLE, [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8) for r in regions]))
+    return w
+
+
+def _publish_and_abort(address: str, ids: list[str], between=None) -> None:
+    async def go():
+        async with AsyncClient(address) as c:
+            pubs = [await c.publish_blocks(rid, [[i + 1]]) for i, rid in enumerate(ids)]
+        if between is not None:
+            between()
+        for pub in pubs:
+            await abort_published(pub.params, engine_id="router")
+
+    asyncio.run(go())
+
+
+def _sent_within(worker: KvsvcWorker, seconds: float) -> set[str]:
+    out: set[str] = set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        out |= worker.transfer_results(set())[0]
+        time.sleep(0.01)
+    return out
+
+
+def test_only_requests_vllm_delayed_are_reported_finished_sending():
+    w = _worker()
+    try:
+        assert w.info is not None
+        w.start_load_kv(KvsvcConnectorMetadata(delayed={"held-1"}))
+        _publish_and_abort(w.info.address, ["held-1", "stray-1"])
+        assert _sent_within(w, 2.0) == {"held-1"}
+    finally:
+        w.shutdown()
+
+
+def test_a_release_stream_that_ends_is_opened_again_and_the_gap_looked_up():
+    w = _worker()
+    try:
+        assert w.info is not None
+        w.start_load_kv(KvsvcConnectorMetadata(delayed={"gap-1", "gap-2"}))
+
+        def cut() -> None:  # the stream ends with the leases live; they are released right after
+            stream = w._release_stream
+            assert stream is not None
+            w._loop.loop.call_soon_threadsafe(stream.cancel)
+
+        _publish_and_abort(w.info.address, ["gap-1", "gap-2"], between=cut)
+        assert _sent_within(w, 5.0) == {"gap-1", "gap-2"}
+        # and the new stream works: a later release is heard
+        w.start_load_kv(KvsvcConnectorMetadata(delayed={"after-1"}))
+        _publish_and_abort(w.info.address, ["after-1"])
+        assert _sent_within(w, 3.0) == {"after-1"}
+    finally:
+        w.shutdown()
