@@ -68,41 +68,36 @@ def mark(pos: int, head: int, layer: int) -> list[float]:
     return [pos + 1, head + 1, layer + 1]
 
 
-def fill(model: str, caches, names, rank: int, tp: int) -> None:
+def cells(model: str, caches, names, ids: list[int], rank: int, tp: int):
+    """(where, token's K and V marks, the token's cell as attention indexes it) for every
+    layer, block of `ids`, token and head of the rank: the vLLM logical view, never kvsvc's."""
     heads = 1 if model == "mla" else K // tp
     for li, name in enumerate(names):
-        for i, b in enumerate(P_IDS):
+        for i, b in enumerate(ids):
             blk = per_token(caches[name], b)
             kb = blk.shape[-2]
             for t in range(BLOCK):
-                pos = i * BLOCK + t
-                row = blk[t // kb]
-                for h in range(heads):
-                    gh = 0 if model == "mla" else rank * heads + h
-                    cell = row[..., t % kb, :] if model == "mla" else row[h, t % kb]
-                    cell = cell.reshape(-1)
-                    cell[:3] = torch.tensor(mark(pos, gh, li))
-                    if model != "mla":
-                        cell[HEAD:HEAD + 3] = torch.tensor(mark(pos, gh, li + 100))
-
-
-def errors(model: str, caches, names, rank: int, tp: int) -> list[str]:
-    heads = 1 if model == "mla" else K // tp
-    out = []
-    for li, name in enumerate(names):
-        for i, b in enumerate(D_IDS):
-            blk = per_token(caches[name], b)
-            kb = blk.shape[-2]
-            for t in range(BLOCK):
-                pos = i * BLOCK + t
                 row = blk[t // kb]
                 for h in range(heads):
                     gh = 0 if model == "mla" else rank * heads + h
                     cell = (row[..., t % kb, :] if model == "mla" else row[h, t % kb]).reshape(-1)
-                    got = [cell[:3].tolist()] + ([] if model == "mla" else [cell[HEAD:HEAD + 3].tolist()])
-                    want = [mark(pos, gh, li)] + ([] if model == "mla" else [mark(pos, gh, li + 100)])
-                    if got != want:
-                        out.append(f"rank {rank} layer {li} block {b} token {t} head {h}: {got} != {want}")
+                    marks = [mark(i * BLOCK + t, gh, li)] + ([] if model == "mla" else
+                                                             [mark(i * BLOCK + t, gh, li + 100)])
+                    yield f"rank {rank} layer {li} block {b} token {t} head {h}", marks, cell
+
+
+def fill(model: str, caches, names, rank: int, tp: int) -> None:
+    for _, marks, cell in cells(model, caches, names, P_IDS, rank, tp):
+        for offset, m in zip((0, HEAD), marks, strict=False):
+            cell[offset:offset + 3] = torch.tensor(m)
+
+
+def errors(model: str, caches, names, rank: int, tp: int) -> list[str]:
+    out = []
+    for where, marks, cell in cells(model, caches, names, D_IDS, rank, tp):
+        got = [cell[offset:offset + 3].tolist() for offset, _ in zip((0, HEAD), marks, strict=False)]
+        if got != marks:
+            out.append(f"{where}: {got} != {marks}")
     return out
 
 
