@@ -14,7 +14,8 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 HEARTBEATS_IN_FLIGHT = 64  # per P server: a D queue of thousands must not open thousands of calls at once
 
 
-def _servers(params: pb.TransferParams) -> list[pb.EngineServer]:
+def servers_of(params: pb.TransferParams) -> list[pb.EngineServer]:
+    """The P servers holding the request's lease (params of one server name it by address alone)."""
     return list(params.remote_servers) or [pb.EngineServer(address=params.remote_address, epoch=params.remote_epoch)]
 
 
@@ -43,7 +44,7 @@ async def abort_published(params: pb.TransferParams, *, engine_id: str = "router
         except KvsvcError as e:
             return s.address, e.reason
 
-    return dict(await asyncio.gather(*(one(s) for s in _servers(params))))
+    return dict(await asyncio.gather(*(one(s) for s in servers_of(params))))
 
 
 async def heartbeat_published(waiting: Mapping[str, pb.TransferParams], *, engine_id: str,
@@ -60,7 +61,7 @@ async def heartbeat_published(waiting: Mapping[str, pb.TransferParams], *, engin
     """
     by_server: dict[str, list[tuple[str, pb.TransferParams, pb.EngineServer]]] = defaultdict(list)
     for req_id, params in waiting.items():
-        for s in _servers(params):
+        for s in servers_of(params):
             by_server[s.address].append((req_id, params, s))
     answers: dict[str, dict[str, str]] = defaultdict(dict)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
-from kvsvc.client.leases import abort_published, heartbeat_published
+from kvsvc.client.leases import abort_published, heartbeat_published, servers_of
 from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
@@ -38,10 +38,6 @@ log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and l
 TRANSFER_TIMEOUT_S = 120.0
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
-
-
-def _addresses(params: pb.TransferParams) -> list[str]:
-    return [s.address for s in params.remote_servers] or [params.remote_address]
 
 
 def _log_under_vllm() -> None:
@@ -327,7 +323,7 @@ class KvsvcWorker:
                 if lost:
                     log.warning("kvsvc: the leases of %d waiting requests were already gone: %s", len(lost),
                                 dict(list(lost.items())[:4]))
-                await self._trim_heartbeat_channels({a for p in self._kept.values() for a in _addresses(p)})
+                await self._trim_heartbeat_channels({s.address for p in self._kept.values() for s in servers_of(p)})
             except Exception as e:
                 log.warning("kvsvc: lease heartbeat failed: %s", e)
             with contextlib.suppress(asyncio.TimeoutError):
