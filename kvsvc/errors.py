@@ -99,3 +99,10 @@ class DeadlineExceeded(KvsvcError):
 
 class Internal(KvsvcError):
     code = ErrorCode.INTERNAL
+
+
+def lease_not_yet_made(e: BaseException) -> bool:
+    """P has never heard of the lease (and keeps no tombstone of it): not made yet -- params
+    with lease_pending are handed out before the engine's servers lease the blocks -- or
+    released so long ago that P forgot it."""
+    return isinstance(e, KvsvcError) and e.reason == "LEASE_EXPIRED" and e.metadata.get("state") == "unknown"

@@ -11,6 +11,7 @@ from kvsvc.client.client import AsyncClient, ClientOptions
 from kvsvc.errors import KvsvcError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
+LEASE_NOT_YET_MADE = "LEASE_NOT_YET_MADE"  # heartbeat answer: params with lease_pending, lease not made yet
 HEARTBEATS_IN_FLIGHT = 64  # per P server: a D queue of thousands must not open thousands of calls at once
 
 
@@ -57,7 +58,8 @@ async def heartbeat_published(waiting: Mapping[str, pb.TransferParams], *, engin
     which then costs its calls alone.
 
     Returns, per request, each server's answer: a LeaseState name (OFFERED: kept; a final
-    state: too late, the request will fail its load) or the error reason.
+    state: too late, the request will fail its load), LEASE_NOT_YET_MADE (params with
+    lease_pending whose lease P has not made yet: nothing to keep so far) or the error reason.
     """
     by_server: dict[str, list[tuple[str, pb.TransferParams, pb.EngineServer]]] = defaultdict(list)
     for req_id, params in waiting.items():
@@ -73,7 +75,8 @@ async def heartbeat_published(waiting: Mapping[str, pb.TransferParams], *, engin
                 try:
                     resp = await client.notify(_notify(params, pb.NOTIFY_KIND_HEARTBEAT, s, engine_id),
                                                timeout_s=timeout_s)
-                    answers[req_id][address] = pb.LeaseState.Name(resp.state)
+                    pending = params.lease_pending and resp.state == pb.LEASE_STATE_UNKNOWN
+                    answers[req_id][address] = LEASE_NOT_YET_MADE if pending else pb.LeaseState.Name(resp.state)
                 except KvsvcError as e:
                     answers[req_id][address] = e.reason
 

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -173,6 +174,10 @@ class LeaseTable:
     _claims_of: dict[str, int] = field(default_factory=dict)  # D engine id -> claimed leases it holds
     _holders: list[np.ndarray] = field(default_factory=list)  # per group: live leases holding each block
     _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
+    # Aborts, with a token, of leases not made yet (request id -> token): an engine that
+    # hands out params before its servers lease the blocks (lease_pending) may hear that D
+    # gave the request up first; its publish under that token is then refused at once.
+    _aborted_early: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _heap: list[tuple[float, str]] = field(default_factory=list)
     _watchers: set[Subscription] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -242,6 +247,10 @@ class LeaseTable:
             raise InvalidArgument("LEASE_TTL_TOO_LONG", f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
                                   f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
                                                                     "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
+        if token and self._aborted_early.get(request_id) == token:
+            del self._aborted_early[request_id]
+            raise FailedPrecondition("LEASE_ABORTED", f"request {request_id!r} was aborted (with this lease token) "
+                                     "before it was published", {"request_id": request_id})
         self._dead.pop(request_id, None)
         lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
                       digest=blocks_digest(blocks, num_tokens))
@@ -371,6 +380,8 @@ class LeaseTable:
         lease = self._live.get(request_id)
         if lease is None:
             dead = self._dead.get(request_id)
+            if dead is None and kind is NotifyKind.ABORTED and token and not withdraw:
+                self._remember(self._aborted_early, request_id, token)
             return (dead.state if dead else None), []
         claim = lease.claims.get(claim_id) if claim_id else None
         if claim is None or withdraw:
@@ -404,6 +415,21 @@ class LeaseTable:
             raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {lease.request_id!r} was never claimed: claim "
                                      "it before reading", {"request_id": lease.request_id})
         _check_token(lease, token)
+
+    def refuse(self, request_id: str, token: str) -> None:
+        """The engine could not lease request_id (its publish under `token` failed): claims
+        that wait for the lease (params with lease_pending) find an ABORTED tombstone and
+        fail now. A live lease of that id (someone else's token) is left alone."""
+        self._aborted_early.pop(request_id, None)
+        if request_id not in self._live:
+            self._remember(self._dead, request_id, Tombstone(LeaseState.ABORTED, _unix_ms()))
+
+    @staticmethod
+    def _remember(history: OrderedDict[str, Any], request_id: str, value: Any) -> None:
+        history[request_id] = value
+        history.move_to_end(request_id)
+        while len(history) > TOMBSTONES_MAX:
+            history.popitem(last=False)
 
     def get(self, request_id: str) -> Lease | None:
         """The live lease of request_id, if any."""
@@ -480,9 +506,7 @@ class LeaseTable:
         self._hold(lease.block_ids, -1)
         # A tombstone keeps the final state only: block lists of released leases would
         # otherwise pile up (a 100k-entry history of long requests is gigabytes).
-        self._dead[lease.request_id] = Tombstone(reason, lease.released_unix_ms)
-        while len(self._dead) > TOMBSTONES_MAX:
-            self._dead.popitem(last=False)
+        self._remember(self._dead, lease.request_id, Tombstone(reason, lease.released_unix_ms))
         log.info("released %s: %s%s", lease.request_id, reason.value, "" if announce else " (withdrawn)")
         if not announce:  # never handed out: the engine hears of it from its failed publish
             return

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvsvc.codec import bad_field
-from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError
+from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, lease_not_yet_made
 from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_TP_SIZE, check_count, check_id
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.service.peers import Peer
@@ -28,6 +28,13 @@ T = TypeVar("T")
 UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
 
 HEARTBEAT_MIN_INTERVAL_S = 0.05
+
+# A claim for params with lease_pending that finds no lease yet asks again, from every 5 ms
+# to every 100 ms, for at most this long (and never past its own timeout): P's workers lease
+# the blocks from the step after the one that finished the request.
+PENDING_LEASE_WAIT_S = 30.0
+PENDING_RETRY_FIRST_S = 0.005
+PENDING_RETRY_MAX_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +176,26 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
     """
     async def claim(leg: Leg) -> None:
         p = own.params
-        leg.claim = ClaimState.SENT
-        resp = await leg.peer.lease_calls.claim_lease(pb.ClaimLeaseRequest(
+        req = pb.ClaimLeaseRequest(
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
-            dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest),
-            timeout_s=timeout_s, traceparent=own.traceparent)
+            dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest)
+        give_up_at = time.monotonic() + (min(timeout_s, PENDING_LEASE_WAIT_S) if p.lease_pending else 0.0)
+        pause = PENDING_RETRY_FIRST_S
+        while True:
+            leg.claim = ClaimState.SENT
+            try:
+                resp = await leg.peer.lease_calls.claim_lease(
+                    req, timeout_s=max(0.05, timeout_s), traceparent=own.traceparent)
+                break
+            except KvsvcError as e:
+                # Params handed out before P leased the blocks: the lease is on its way (P's
+                # workers make it from their next step). Ask again, less often as time goes.
+                if not lease_not_yet_made(e) or time.monotonic() + pause > give_up_at:
+                    raise
+            leg.claim = ClaimState.REFUSED
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, PENDING_RETRY_MAX_S)
         leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
         if consumed and resp.state == pb.LEASE_STATE_UNSPECIFIED:
             # A P server older than `consumed` took it as a plain claim: the grant proves the

@@ -414,7 +414,7 @@ class EngineServer(_message.Message):
     def __init__(self, address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers", "remote_dcp_size", "remote_num_tokens")
+    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers", "remote_dcp_size", "remote_num_tokens", "lease_pending")
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class TransferParams(_message.Message):
     REMOTE_SERVERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PENDING_FIELD_NUMBER: _ClassVar[int]
     remote_address: str
     remote_engine_id: str
     remote_request_id: str
@@ -435,7 +436,8 @@ class TransferParams(_message.Message):
     remote_servers: _containers.RepeatedCompositeFieldContainer[EngineServer]
     remote_dcp_size: int
     remote_num_tokens: int
-    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ..., remote_dcp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ...) -> None: ...
+    lease_pending: bool
+    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ..., remote_dcp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., lease_pending: _Optional[bool] = ...) -> None: ...
 
 class PublishBlocksRequest(_message.Message):
     __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms", "lease_token", "num_tokens")

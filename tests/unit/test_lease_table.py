@@ -372,3 +372,37 @@ async def test_one_d_engine_cannot_hold_every_lease():
     claim(t, "r0", engine="greedy", tp=1, epoch=1)  # a repeat of a held claim is no new one
     t.notify("r0", CONSUMED, [0], 1, claim_id=CLAIM_A)
     claim(t, "r2", engine="greedy", tp=1, epoch=1)  # room again once one ended
+
+
+# ---- leases made after their params were handed out (lease_pending) -------------------
+
+TOKEN = "ab" * 16
+
+
+async def test_an_abort_before_the_publish_refuses_that_publish(table):
+    """D (or a router) gave the request up before the engine's server leased it: the later
+    publish under the same token is refused, so the engine frees the blocks at once."""
+    assert table.notify("early", ABORTED, [], 7, token=TOKEN) == (None, [])
+    with pytest.raises(FailedPrecondition) as e:
+        table.publish("early", [[1]], None, token=TOKEN)
+    assert e.value.reason == "LEASE_ABORTED" and e.value.metadata["request_id"] == "early"
+    assert table.live_count == 0 and table.leased_blocks == 0
+    # Only that token's publish: an abort with a wrong token changes nothing.
+    table.notify("other", ABORTED, [], 7, token="cd" * 16)
+    assert table.publish("other", [[2]], None, token=TOKEN).token == TOKEN
+    # And only once: the refusal used it up.
+    assert table.publish("early", [[3]], None, token=TOKEN).state is LeaseState.OFFERED
+
+
+async def test_a_refused_lease_leaves_a_tombstone_a_waiting_claim_reads(table):
+    with pytest.raises(FailedPrecondition) as e:
+        claim(table, "never")
+    assert e.value.metadata["state"] == "unknown", "not made yet: a lease_pending claim asks again"
+    table.refuse("never", TOKEN)
+    with pytest.raises(FailedPrecondition) as e:
+        claim(table, "never")
+    assert e.value.reason == "LEASE_EXPIRED" and e.value.metadata["state"] == "aborted"
+    # A live lease of that id (another token) is not touched.
+    live = table.publish("live", [[4]], None)
+    table.refuse("live", TOKEN)
+    assert table.get("live") is live and live.state is LeaseState.OFFERED

@@ -152,7 +152,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             ttl = extra.get("lease_ttl_s")
             self._scheduler = KvsvcScheduler(
                 engine_id=self._engine_id, tp_size=self._tp_size, dcp_size=self._dcp_size,
-                is_producer=self._kv_role in (Role.PREFILL, Role.BOTH), options=_client_options(extra, self._engine_id),
+                is_producer=self._kv_role in (Role.PREFILL, Role.BOTH),
                 lease_ttl_ms=int(float(ttl) * 1000) if ttl else 0,
                 lease_heartbeat_s=float(extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)))
 

@@ -34,6 +34,17 @@ class Receive:
 
 
 @dataclass
+class Publish:
+    """P: one finished request whose blocks each worker leases on its own server, under the
+    token the scheduler minted (and put in the params it handed out)."""
+
+    block_ids: list[list[int]]  # kernel block ids (kvsvc's), per group
+    num_tokens: int
+    lease_token: str
+    lease_ttl_ms: int = 0
+
+
+@dataclass
 class KvsvcConnectorMetadata(KVConnectorMetadata):
     receive: dict[str, Receive] = field(default_factory=dict)
     # Requests D gave up on before reading: their P leases are aborted (with the lease token).
@@ -49,3 +60,5 @@ class KvsvcConnectorMetadata(KVConnectorMetadata):
     # answered delay_free). Only these may be reported finished sending: vLLM's scheduler
     # fails hard on a request it did not delay.
     delayed: set[str] = field(default_factory=set)
+    # P: the leases to make this step (every worker, on its own server).
+    publish: dict[str, Publish] = field(default_factory=dict)

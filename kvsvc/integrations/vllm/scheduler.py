@@ -1,8 +1,10 @@
 """The scheduler side of the connector: which requests load remote KV, and P's leases.
 
-P: request_finished leases the finished request's blocks on every worker's kvsvc server
-(one PublishBlocks per server, the first mints the lease token, the others lease under
-it), keeps the blocks (delay_free) and returns the params a router copies to D.
+P: request_finished keeps the finished request's blocks (delay_free), mints its lease token
+and returns the params a router copies to D, all without a network call (this is vLLM's
+engine thread: a call here would stall every request's step); the next step's metadata
+tells each worker to lease the blocks on its own server, in process. The params say
+lease_pending, so a D that claims before the lease is made waits for it.
 D: requests with kvsvc params report their prompt as loadable asynchronously; the
 blocks vLLM allocates for them go to the workers in the step's metadata. Until then (a
 request can wait in D's queue for a long time when its KV cache is full) their P leases
@@ -13,36 +15,30 @@ D's steps, which can take longer than a lease on a loaded host), off this thread
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import kernel_block_ids
-from kvsvc.integrations.vllm.loop import LoopThread
-from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
+from kvsvc.leases.table import new_lease_token
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
 
-PUBLISH_TIMEOUT_S = 10.0
 FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
 class KvsvcScheduler:
     def __init__(self, *, engine_id: str, tp_size: int, dcp_size: int, is_producer: bool,
-                 options: ClientOptions | None = None, lease_ttl_ms: int = 0,
+                 lease_ttl_ms: int = 0,
                  lease_heartbeat_s: float = LEASE_HEARTBEAT_S) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.dcp_size = dcp_size
         self.is_producer = is_producer
         self.lease_ttl_ms = lease_ttl_ms
-        self._options = options
         self._servers: dict[int, ServerInfo] = {}
-        self._loop: LoopThread | None = None
-        self._clients: list[AsyncClient] = []
         self._meta = KvsvcConnectorMetadata()
         self._waiting: set[str] = set()  # D requests parked until their transfer ends
         # D requests with kvsvc params not yet given blocks: their P leases are heartbeated.
@@ -54,28 +50,8 @@ class KvsvcScheduler:
     def set_servers(self, metadata: dict[int, Any]) -> None:
         self._servers = {rank: meta for rank, meta in metadata.items() if isinstance(meta, ServerInfo)}
 
-    def _ensure_clients(self) -> list[AsyncClient]:
-        if len(self._servers) != self.tp_size:
-            raise RuntimeError(f"kvsvc servers known for ranks {sorted(self._servers)}, TP is {self.tp_size}")
-        if self._loop is None:
-            self._loop = LoopThread("kvsvc-scheduler")
-
-            async def make() -> list[AsyncClient]:
-                return [AsyncClient(self._servers[r].address, self._options) for r in range(self.tp_size)]
-
-            self._clients = self._loop.run(make())
-        return self._clients
-
     def shutdown(self) -> None:
-        if self._loop is not None:
-            clients, self._clients = self._clients, []
-
-            async def close() -> None:
-                await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-
-            self._loop.run(close(), 10)
-            self._loop.stop()
-            self._loop = None
+        """Nothing to close: the scheduler side holds no connection (its work is in the metadata)."""
 
     # ---- D: what to load -------------------------------------------------------------
 
@@ -141,60 +117,31 @@ class KvsvcScheduler:
         if request.status.name not in FINISHED_OK or not any(len(g) for g in block_ids):
             return False, None
         try:
-            params = self._publish(request, block_ids)
-            self._meta.delayed.add(request.request_id)
-            return True, params
+            params = self._lease_order(request, block_ids)
         except Exception as e:  # D then prefills itself; the blocks are freed now
             log.warning("kvsvc: could not lease %s for decode: %s", request.request_id, e)
             return False, None
+        self._meta.delayed.add(request.request_id)
+        return True, params
 
-    def _publish(self, request: Any, block_ids: Any) -> dict[str, Any]:
-        """Lease the blocks on every worker's server; the params name them all."""
-        clients = self._ensure_clients()
-        assert self._loop is not None
+    def _lease_order(self, request: Any, block_ids: Any) -> dict[str, Any]:
+        """Mint the lease token and the params here, with no network call: the workers lease
+        the blocks on their own servers from the next step's metadata (a D that asks first
+        waits for the lease: the params say lease_pending)."""
+        if len(self._servers) != self.tp_size:
+            raise RuntimeError(f"kvsvc servers known for ranks {sorted(self._servers)}, TP is {self.tp_size}")
         per_logical = {info.blocks_per_logical for info in self._servers.values()}
         if len(per_logical) != 1:
             raise RuntimeError(f"workers split vLLM's blocks differently: {sorted(per_logical)}")
-        ids = [pb.BlockIds(block_ids=g) for g in kernel_block_ids(block_ids, per_logical.pop())]
+        ids = kernel_block_ids(block_ids, per_logical.pop())
         num_tokens = int(request.num_computed_tokens)
-        first = pb.PublishBlocksRequest(request_id=request.request_id, block_ids_per_group=ids,
-                                        lease_ttl_ms=self.lease_ttl_ms, num_tokens=num_tokens)
-
-        async def publish_all() -> pb.TransferParams:
-            resp = await clients[0].publish_blocks_request(first, timeout_s=PUBLISH_TIMEOUT_S)
-            params = resp.params
-            rest = pb.PublishBlocksRequest()
-            rest.CopyFrom(first)
-            rest.lease_token = params.lease_token
-            answers = await asyncio.gather(*(c.publish_blocks_request(rest, timeout_s=PUBLISH_TIMEOUT_S)
-                                             for c in clients[1:]), return_exceptions=True)
-            failed = [a for a in answers if isinstance(a, BaseException)]
-            if failed:  # the answers that came back say each leasing server's epoch
-                leased = [(clients[0], params.remote_epoch)] + [
-                    (c, a.params.remote_epoch) for c, a in zip(clients[1:], answers, strict=True)
-                    if isinstance(a, pb.PublishBlocksResponse)]
-                await self._withdraw(params, leased)
-                raise failed[0]
-            servers = [params.remote_servers[0]] if params.remote_servers else [
-                pb.EngineServer(address=params.remote_address, ranks=[0], epoch=params.remote_epoch)]
-            for a in answers:
-                assert isinstance(a, pb.PublishBlocksResponse)
-                servers.extend(a.params.remote_servers)
-            del params.remote_servers[:]
-            params.remote_servers.extend(servers)
-            return params
-
-        params = self._loop.run(publish_all(), PUBLISH_TIMEOUT_S * 2)
-        log.debug("kvsvc: leased %s (%d tokens) on %d servers", request.request_id, num_tokens,
-                  len(params.remote_servers))
+        token = new_lease_token()
+        servers = [self._servers[r] for r in range(self.tp_size)]
+        params = pb.TransferParams(
+            remote_address=servers[0].address, remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id, remote_block_ids_per_group=[pb.BlockIds(block_ids=g) for g in ids],
+            remote_epoch=servers[0].epoch, remote_tp_size=self.tp_size, lease_token=token,
+            remote_servers=[pb.EngineServer(address=s.address, ranks=[s.tp_rank], epoch=s.epoch) for s in servers],
+            remote_dcp_size=self.dcp_size, remote_num_tokens=num_tokens, lease_pending=True)
+        self._meta.publish[request.request_id] = Publish(ids, num_tokens, token, self.lease_ttl_ms)
         return kvparams.to_vllm(params, num_tokens=num_tokens, tp_size=self.tp_size, dcp_size=self.dcp_size)
-
-    async def _withdraw(self, params: pb.TransferParams, leased: list[tuple[AsyncClient, int]]) -> None:
-        """Take back the leases a half-done publish made (no release event: nothing was handed out)."""
-        for c, epoch in leased:
-            try:
-                await c.notify(pb.NotifyRequest(request_id=params.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
-                                                engine_id=self.engine_id, tp_size=self.tp_size, lease_epoch=epoch,
-                                                lease_token=params.lease_token, withdraw=True))
-            except Exception as e:
-                log.warning("kvsvc: could not withdraw %s: %s", params.remote_request_id, e)

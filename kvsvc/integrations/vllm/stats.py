@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
 SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors")
-COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired")
+COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed")
 RELEASE_COUNTS = {"RELEASE_REASON_CONSUMED": "consumed", "RELEASE_REASON_ABORTED": "aborted",
                   "RELEASE_REASON_EXPIRED": "expired"}
 
@@ -89,7 +89,7 @@ class KvsvcConnectorStats(KVConnectorStats):
             }
         out |= {"Num failed transfers": self.data["failed"], "Num cancelled transfers": self.data["cancelled"],
                 "Num KV consumed reqs": self.data["consumed"], "Num KV aborted reqs": self.data["aborted"],
-                "Num KV expired reqs": self.data["expired"]}
+                "Num KV expired reqs": self.data["expired"], "Num failed leases": self.data["lease_failed"]}
         return out
 
 
@@ -121,6 +121,9 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
             "expired": self._counter("vllm:kvsvc_num_kv_expired_reqs",
                                      "Prefill leases whose TTL ran out before a decode engine read them "
                                      "(per worker). Same meaning as vllm:nixl_num_kv_expired_reqs."),
+            "lease_failed": self._counter("vllm:kvsvc_num_failed_leases",
+                                          "Finished prefills a worker's server could not lease (their blocks "
+                                          "were freed; the decode engine's transfer fails at once)."),
         }
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> dict[int, Any]:

@@ -21,15 +21,16 @@ from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
-from kvsvc.client.leases import abort_published, heartbeat_published, servers_of
+from kvsvc.client.leases import LEASE_NOT_YET_MADE, abort_published, heartbeat_published, servers_of
 from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.loop import LoopThread
-from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
+from kvsvc.service import prefill
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -38,6 +39,9 @@ log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and l
 TRANSFER_TIMEOUT_S = 120.0
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
+# Heartbeat answers that leave a waiting request's lease worth keeping (P's workers make a
+# lease from the step after the request finished: it may not exist yet).
+KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
 
 
 def _log_under_vllm() -> None:
@@ -216,6 +220,8 @@ class KvsvcWorker:
                     self._delayed[rid] = None
                 while len(self._delayed) > FINISHED_REMEMBERED:
                     self._delayed.popitem(last=False)
+        if meta.publish:  # after the delayed ones are known: a release may follow at once
+            self._loop.submit(self._lease(dict(meta.publish)))
         for req_id, recv in meta.receive.items():
             fut = self._loop.submit(self._transfer(req_id, recv))
             self._running[req_id] = fut
@@ -231,6 +237,28 @@ class KvsvcWorker:
             if meta.keep_alive or meta.stop_keep_alive:
                 self._loop.loop.call_soon_threadsafe(self._update_kept, dict(meta.keep_alive),
                                                      set(meta.stop_keep_alive))
+
+    async def _lease(self, orders: dict[str, Publish]) -> None:
+        """P, on the loop: lease each finished request's blocks on this rank's server, in
+        process (no socket, no RPC), under the token the scheduler minted. A refused lease
+        leaves a tombstone, so a D already asking for it fails at once instead of waiting,
+        and is reported finished sending: vLLM frees the blocks. Never raises."""
+        server = self._server
+        if server is None:  # shutting down: vLLM frees everything anyway
+            return
+        for req_id, order in orders.items():
+            req = pb.PublishBlocksRequest(request_id=req_id, lease_ttl_ms=order.lease_ttl_ms,
+                                          block_ids_per_group=[pb.BlockIds(block_ids=g) for g in order.block_ids],
+                                          lease_token=order.lease_token, num_tokens=order.num_tokens)
+            try:
+                await prefill.publish(server.node, req, server.siblings)
+            except Exception as e:
+                log.warning("kvsvc: rank %d could not lease %s for decode (its blocks are freed): %s",
+                            self.tp_rank, req_id, e)
+                server.node.leases.refuse(req_id, order.lease_token)
+                with self._lock:
+                    self._stats.count("lease_failed")
+                self._record_release(req_id, "")
 
     def _give_up(self, req_id: str) -> None:
         """On the loop: cancel req_id's transfer (or, not started yet, keep it from starting)."""
@@ -316,7 +344,7 @@ class KvsvcWorker:
                 waiting = dict(self._kept)
                 answers = await heartbeat_published(waiting, engine_id=self.engine_id, options=self._options,
                                                     channels=self._heartbeat_channels)
-                lost = {r: a for r, a in answers.items() if any(v != "LEASE_STATE_OFFERED" for v in a.values())
+                lost = {r: a for r, a in answers.items() if any(v not in KEPT for v in a.values())
                         and r in self._kept}
                 for r in lost:  # nothing left to keep: its load will fail (and D recompute)
                     self._kept.pop(r, None)

@@ -1,0 +1,140 @@
+"""P's scheduler side makes no network call; its workers lease the blocks, in process.
+
+vLLM calls request_finished on its engine thread, between steps: any wait there stalls every
+request of the engine. The connector's scheduler only mints the lease token and the params
+there (lease_pending); the next step's metadata tells each worker to lease the blocks on its
+own embedded server. The connector's scheduler and workers without a vLLM engine around
+them, real embedded servers, real NIXL.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import torch
+
+from kvsvc.config import Role
+from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm.layout import CacheDescription
+from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
+from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
+from kvsvc.integrations.vllm.worker import KvsvcWorker
+from kvsvc.layout import layout_from_dict
+from kvsvc.layout.regions import build_pool_layout
+
+TABLE = {"model_id": "pw", "total_num_kv_heads": 2, "block_size": 16, "num_blocks": 64, "dtype": "bfloat16",
+         "groups": [{"name": "full", "kind": "full_attention", "num_layers": 2, "head_size": 64}]}
+
+
+def _finished(req_id: str, tokens: int = 32) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, num_computed_tokens=tokens, num_prompt_tokens=tokens,
+                           kv_transfer_params={"do_remote_decode": True},
+                           status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+
+
+def _worker(role: Role, engine_id: str, fill: int = 0) -> KvsvcWorker:
+    regions = build_pool_layout(layout_from_dict(TABLE, tp_size=1)).regions
+    buffers = [torch.full((r.num_blocks, r.block_len), fill, dtype=torch.uint8) for r in regions]
+    for b in buffers:  # every block of P distinct: a wrong block read shows
+        b[:, 0] = torch.arange(b.shape[0], dtype=torch.uint8)
+    w = KvsvcWorker(engine_id=engine_id, role=role, tp_rank=0, tp_size=1)
+    w.start(CacheDescription(TABLE, buffers))
+    w.buffers = buffers  # type: ignore[attr-defined]
+    return w
+
+
+def _until(check, timeout_s: float = 30.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.01)
+    return None
+
+
+def test_request_finished_makes_no_network_call_even_for_many_requests_in_one_step():
+    """The servers the scheduler knows are a socket that never answers: the old way (a
+    PublishBlocks per server from request_finished) connects to it and waits; now nothing
+    connects, every request is delayed with params, and the step's metadata carries the leases."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        sched = KvsvcScheduler(engine_id="pw-p", tp_size=2, dcp_size=1, is_producer=True, lease_ttl_ms=4000)
+        sched.set_servers({0: ServerInfo(address, 11, 0), 1: ServerInfo(address, 12, 1)})
+        answers = [sched.request_finished(_finished(f"r{i}"), [[1 + i % 60, 2 + i % 60]]) for i in range(256)]
+        assert all(delay for delay, _ in answers)
+        meta = sched.build_connector_meta(None)
+        try:
+            listener.accept()
+            connected = True
+        except BlockingIOError:
+            connected = False
+        assert not connected, "request_finished must not reach any server"
+        assert len(meta.publish) == 256 and meta.delayed == set(meta.publish)
+        order, params = meta.publish["r5"], answers[5][1]
+        tp = kvparams.from_vllm(params)
+        assert tp.lease_pending and tp.lease_token == order.lease_token and len(tp.lease_token) == 32
+        assert [list(g.block_ids) for g in tp.remote_block_ids_per_group] == order.block_ids == [[6, 7]]
+        assert [(s.address, list(s.ranks), s.epoch) for s in tp.remote_servers] == [(address, [0], 11),
+                                                                                    (address, [1], 12)]
+        assert order.num_tokens == tp.remote_num_tokens == 32 and order.lease_ttl_ms == 4000
+        assert len({o.lease_token for o in meta.publish.values()}) == 256, "one secret per request"
+    finally:
+        listener.close()
+
+
+def _handed_over(p: KvsvcWorker, d: KvsvcWorker, sched: KvsvcScheduler, req_id: str, p_block: int):
+    """P finishes req_id; D starts loading it into block 9 before P's workers saw the step."""
+    delay, params = sched.request_finished(_finished(req_id, 16), [[p_block]])
+    assert delay and kvparams.from_vllm(params).lease_pending
+    d.start_load_kv(KvsvcConnectorMetadata(receive={f"d-{req_id}": Receive([[9]], params, True)}))
+    time.sleep(0.3)  # D has read and is asking for the lease
+    return sched.build_connector_meta(None)
+
+
+def _loaded(d: KvsvcWorker, req_id: str, timeout_s: float = 30.0):
+    def check():
+        _, recving, failed = d.transfer_results(set())
+        return ("failed" if req_id in failed else "loaded") if req_id in recving else None
+    return _until(check, timeout_s)
+
+
+def test_d_first_then_p_leases_in_process_and_d_reads_the_right_block():
+    p, d = _worker(Role.PREFILL, "pw-p", fill=7), _worker(Role.DECODE, "pw-d")
+    try:
+        sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+        assert p.info is not None
+        sched.set_servers({0: p.info})
+        meta = _handed_over(p, d, sched, "q1", 5)
+        p.start_load_kv(meta)  # the next step: the worker leases block 5
+        assert _loaded(d, "d-q1") == "loaded"
+        assert all(torch.equal(pb_[5], db[9]) for pb_, db in zip(p.buffers, d.buffers, strict=True))
+        assert _until(lambda: p.transfer_results(set())[0]) == {"q1"}, "consumed: vLLM may free P's blocks"
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_a_lease_the_worker_cannot_make_frees_the_blocks_and_fails_d_at_once():
+    p, d = _worker(Role.PREFILL, "pw-p"), _worker(Role.DECODE, "pw-d")
+    try:
+        sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+        assert p.info is not None
+        sched.set_servers({0: p.info})
+        meta = _handed_over(p, d, sched, "q2", 5)
+        meta.publish["q2"].block_ids = [[10_000]]  # a block the server does not have: refused
+        p.start_load_kv(meta)
+        assert _until(lambda: p.transfer_results(set())[0]) == {"q2"}, "refused: the blocks go back to vLLM"
+        # D does not wait out its claim's timeout (10 s) for a pending lease: the refusal's tombstone ends it.
+        assert _loaded(d, "d-q2", 5) == "failed"
+        stats = p.take_stats()
+        assert stats is not None and stats.data["lease_failed"] == 1
+    finally:
+        d.shutdown()
+        p.shutdown()
