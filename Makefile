@@ -101,6 +101,7 @@ bench: $(STAMP)
 # The same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector, side by side.
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m bench.vllm_pd --json bench/vllm.json
+	$(VLLM_VENV)/bin/python -m bench.vllm_load --json bench/vllm-load.json --plot bench/vllm-load.png
 
 proto: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen

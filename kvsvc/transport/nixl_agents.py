@@ -24,7 +24,7 @@ from kvsvc.transport.copy_lanes import CopyLanes
 from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
 from kvsvc.transport.reads import read_maker
 from kvsvc.transport.ucx_cuda import allow_cuda_ipc_reads, bind_cuda_device
-from kvsvc.transport.ucx_probe import enable_protocol_log, read_transports, remove_log
+from kvsvc.transport.ucx_probe import enable_protocol_log, forget_environment, read_transports, remove_log
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class NixlDataPlane:
         self._thread.start()
         for rank, pool in sorted(self._pools.items()):
             self.agents[rank] = await self._guard(self._thread.call(self._make_agent, api, rank, pool), "create agent")
+        forget_environment()  # UCX has read its settings: children must not inherit kvsvc's log file
         self._thread.set_progress([a.agent for a in self.agents.values()], self._on_notifs)
         await self._guard(self._lanes.start(api, self._pools, self.backends), "create copy lane agents")
 

@@ -33,6 +33,11 @@ _ORPHAN = re.compile(r"kvsvc-ucx-(\d+)(?:-([a-z0-9_]+)|\.log)")
 LOG_DIR_PREFIX = "kvsvc-ucx-"
 LOG_NAME = "ucx.log"
 
+# This process's protocol log once set up (UCX reads its settings once per process), and the
+# settings kvsvc put in os.environ for UCX to read, to take out again once it has.
+_active: Path | None = None
+_set_by_us: dict[str, str] = {}
+
 
 def enable_protocol_log() -> Path | None:
     """Route UCX's protocol selection to a private file; None when the operator set UCX logging
@@ -40,10 +45,14 @@ def enable_protocol_log() -> Path | None:
 
     The file lies in a directory of its own, made with mkdtemp (a new name, mode 0700), so no
     other local user can plant a link where UCX will write (UCX opens the file by name,
-    following links, as root on many hosts). The settings are marked as kvsvc's own, so a
-    child process (a server started by a test or the demo) that inherits them takes a file
-    of its own instead of leaving them alone as if an operator had set them.
+    following links, as root on many hosts). The settings are marked as kvsvc's own and
+    taken out of the environment once UCX has read them (forget_environment); a child
+    process that still inherits them (started in between) takes a file of its own instead
+    of leaving them alone as if an operator had set them.
     """
+    global _active
+    if _active is not None:  # UCX of this process already writes there (another server of it)
+        return _active
     inherited = os.environ.get(_OWNER) not in (None, str(os.getpid()))
     if not inherited and ("UCX_PROTO_INFO" in os.environ or "UCX_LOG_FILE" in os.environ):
         return None if _OWNER not in os.environ else Path(os.environ["UCX_LOG_FILE"])
@@ -58,10 +67,21 @@ def enable_protocol_log() -> Path | None:
                 os.environ.pop(name, None)
         return None
     path = Path(directory) / LOG_NAME
-    os.environ["UCX_PROTO_INFO"] = "y"
-    os.environ["UCX_LOG_FILE"] = str(path)
-    os.environ[_OWNER] = str(os.getpid())
+    _set_by_us.update({"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": str(path), _OWNER: str(os.getpid())})
+    os.environ.update(_set_by_us)
+    _active = path
     return path
+
+
+def forget_environment() -> None:
+    """Take kvsvc's UCX settings out of this process's environment once UCX has read them
+    (the NIXL agents exist): a process started later from this one (an engine's workers or
+    compilers, another connector's engine) must not inherit a private log file that goes
+    away with this server. A setting someone changed since is left as it is."""
+    for name, value in _set_by_us.items():
+        if os.environ.get(name) == value:
+            del os.environ[name]
+    _set_by_us.clear()
 
 
 def parse_transports(text: str) -> list[str]:

@@ -45,3 +45,19 @@ async def test_a_both_server_transfers_from_itself():
             engine.close()
     finally:
         assert sp.stop() == 0
+
+
+async def test_kvsvc_s_ucx_log_settings_do_not_reach_processes_started_later():
+    """kvsvc routes UCX's protocol log to a private file and takes the settings out of the
+    environment once UCX has read them: a process the engine starts afterwards (vLLM's
+    workers, another connector's engine) must not inherit a file that goes away with the
+    server. Servers in this process, as an engine embeds them."""
+    import os
+
+    from tests.e2e.harness import in_process_pair
+    from tests.e2e.test_read_then_claim import engines
+
+    names = ("UCX_LOG_FILE", "UCX_PROTO_INFO", "KVSVC_UCX_LOG_OWNER")
+    before = {k: os.environ.get(k) for k in names}
+    async with in_process_pair("env") as (p, d), engines(p, d):
+        assert {k: os.environ.get(k) for k in names} == before

@@ -23,13 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 KVSVC = {"kv_connector": "KvsvcConnector", "kv_connector_module_path": "kvsvc.integrations.vllm"}
 
 
-def write_model(path: Path) -> None:
+def write_model(path: Path, max_positions: int = 1024) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=max_positions)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 
 

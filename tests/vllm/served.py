@@ -47,7 +47,7 @@ class Served:
         self.log = logs / f"{name}.log"
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                      start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 600) -> None:
