@@ -57,10 +57,11 @@ class _Wrapper(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             real_exec(module)
-            cls = getattr(module, TARGETS[name])
+            cls = getattr(module, TARGETS[name])  # NixlConnector is an alias of NixlPullConnector
             for method in ("request_finished", "request_finished_all_groups"):
-                if method in cls.__dict__:
-                    setattr(cls, method, _timed(self.path, cls.__dict__[method]))
+                found = getattr(cls, method, None)  # may be inherited: wrapped on the class itself
+                if found is not None:
+                    setattr(cls, method, _timed(self.path, found))
 
         spec.loader.exec_module = exec_module
         return spec
