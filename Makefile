@@ -102,6 +102,7 @@ bench: $(STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m bench.vllm_pd --json bench/vllm.json
 	$(VLLM_VENV)/bin/python -m bench.vllm_load --json bench/vllm-load.json --plot bench/vllm-load.png
+	$(VLLM_VENV)/bin/python -m bench.vllm_embedded --json bench/vllm-embedded.json
 
 proto: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen

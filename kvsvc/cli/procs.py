@@ -84,11 +84,13 @@ def start_server(
     *, engine_id: str, role: str, tp_size: int, layout: Mapping[str, Any], ranks: Sequence[int] | None = None,
     memory: str = "dram", listen: str = "127.0.0.1:0", extra_env: Mapping[str, str] | None = None,
     timeout_s: float = 60.0, config_file: str | None = None, siblings: Sequence[str] = (),
-    global_args: Sequence[str] = (),
+    global_args: Sequence[str] = (), launcher: Sequence[str] = (),
 ) -> ServerProcess:
-    """Spawn a server and wait until it prints its address (raises with its output if it dies)."""
+    """Spawn a server and wait until it prints its address (raises with its output if it dies).
+
+    launcher: a command prefix the server runs under (e.g. nsenter into a simulated host)."""
     env = dict(os.environ, **(extra_env or {}))
-    cmd = [sys.executable, "-m", "kvsvc.cli.main", *(["-vv"] if env.get("KVSVC_DEBUG") else []), *global_args, "serve", "--listen", listen, "--engine-id", engine_id,
+    cmd = [*launcher, sys.executable, "-m", "kvsvc.cli.main", *(["-vv"] if env.get("KVSVC_DEBUG") else []), *global_args, "serve", "--listen", listen, "--engine-id", engine_id,
            "--role", role, "--tp-size", str(tp_size), "--memory", memory, "--layout-json", json.dumps(layout)]
     if ranks is not None:
         cmd += ["--ranks", ",".join(map(str, ranks))]

@@ -71,15 +71,21 @@ class Engine:
     _attached: list[Any] = field(default_factory=list)
 
     @classmethod
-    async def of(cls, client: AsyncClient) -> Engine:
+    async def of(cls, client: AsyncClient, shm_dir: str | None = None) -> Engine:
+        """shm_dir: where the server's /dev/shm is seen from here (a server on a simulated host)."""
         info = await client.get_info()
         layout = layout_from_proto(info.layout, tp_size=info.tp_size)
         eng = cls(info, layout)
         regions = build_pool_layout(layout).regions
         for pool in info.pools:
-            ap = attach_pool(pool)
-            eng._attached.append(ap)
-            eng.mem[pool.tp_rank] = RankMemory(regions, ap.buffer)
+            if shm_dir is None:
+                ap = attach_pool(pool)
+                eng._attached.append(ap)
+                buffer = ap.buffer
+            else:
+                buffer = np.memmap(f"{shm_dir}/{pool.shm_name.lstrip('/')}", dtype=np.uint8, mode="r+",
+                                   shape=(pool.size_bytes,))
+            eng.mem[pool.tp_rank] = RankMemory(regions, buffer)
         return eng
 
     def fill(self, ids: list[list[int]]) -> None:
@@ -173,10 +179,12 @@ class Session:
 
 @contextlib.asynccontextmanager
 async def session(p: ServerProcess, d: ServerProcess, options: ClientOptions | None = None,
-                  d_options: ClientOptions | None = None) -> AsyncIterator[Session]:
-    """Clients of P and D (d_options: D's, when the engines hold different certificates)."""
+                  d_options: ClientOptions | None = None, shm_dirs: tuple[str | None, str | None] = (None, None),
+                  ) -> AsyncIterator[Session]:
+    """Clients of P and D (d_options: D's, when the engines hold different certificates;
+    shm_dirs: where P's and D's /dev/shm are seen from here, for servers on simulated hosts)."""
     async with AsyncClient(p.address, options) as pc, AsyncClient(d.address, d_options or options) as dc:
-        pe, de = await Engine.of(pc), await Engine.of(dc)
+        pe, de = await Engine.of(pc, shm_dirs[0]), await Engine.of(dc, shm_dirs[1])
         watch = await ReleaseWatch.open(pc)
         try:
             yield Session(pc, dc, pe, de, watch)

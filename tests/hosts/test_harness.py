@@ -1,0 +1,64 @@
+"""The host harness itself: hosts are apart, and nothing of them outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.hosts.harness import hosts, own_links, remove_stale
+
+
+def _ours(pid: int) -> list[str]:
+    return [n for n in own_links() if f"{pid}h" in n or n.endswith(str(pid))]
+
+
+def test_hosts_are_apart_and_reach_each_other():
+    with hosts(2) as (a, b):
+        assert a.run(["hostname"]).stdout.strip() == "kvsvc-h0" != b.run(["hostname"]).stdout.strip()
+        a.run(["sh", "-c", "echo x > /dev/shm/mine && echo y > /tmp/mine"])
+        assert b.run(["sh", "-c", "ls /dev/shm /tmp"]).stdout.split() == ["/dev/shm:", "/tmp:"], "private"
+        assert not os.path.exists("/dev/shm/mine")
+        reach = [sys.executable, "-c", "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)"]
+        server = b.popen([sys.executable, "-c", "import socket; s=socket.create_server(('0.0.0.0', 7777)); "
+                                                "print('up', flush=True); s.accept()"], stdout=subprocess.PIPE)
+        assert server.stdout is not None and server.stdout.readline().strip() == "up"
+        assert a.run([*reach, b.address, "7777"]).returncode == 0
+        server.wait(10)
+        b.link(False)  # unplugged: a cannot reach b any more
+        assert a.run([*reach, b.address, "7777"], check=False).returncode != 0
+    assert not _ours(os.getpid())
+
+
+def test_nothing_outlives_a_harness_that_is_killed():
+    """A test process killed mid-run (SIGKILL: no cleanup code runs): its hosts' processes die
+    with it, their namespaces and veths with them; the next harness removes its bridge."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom tests.hosts.harness import hosts\n"
+         "with hosts(2) as hs:\n    hs[0].popen(['sleep', '600'])\n"
+         "    print(' '.join(str(h.init.pid) for h in hs), flush=True)\n    time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert child.stdout is not None
+    inits = [int(p) for p in child.stdout.readline().split()]
+    assert len(inits) == 2 and _ours(child.pid)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    child.stdout.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in inits) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in inits), "a host's processes outlived the harness"
+    assert subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode != 0
+    removed = remove_stale()
+    assert f"kvb{child.pid}" in removed and not _ours(child.pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for whoever reaps orphans counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
