@@ -115,6 +115,12 @@ class Host:
         self.procs.append(p)
         return p
 
+    def write(self, path: str, text: str) -> str:
+        """Write a file at `path` as this host sees it (its /tmp is its own); returns path."""
+        with open(f"/proc/{self.init.pid}/root{path}", "w") as f:
+            f.write(text)
+        return path
+
     @property
     def shm_dir(self) -> str:
         """This host's /dev/shm as seen from outside it (to map a server's pools)."""

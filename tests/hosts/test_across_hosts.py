@@ -60,3 +60,55 @@ async def test_a_transfer_between_two_hosts_is_exact(p_tp, d_tp, layout, env):
             assert all(t.startswith("rma_get:tcp/") for t in reads), reads
         # P's lease socket lies in P's /tmp: D could not use it and called over gRPC.
         assert any("lease calls go over gRPC" in line for line in d.output), "".join(d.output[-40:])
+
+
+async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_succeeds():
+    """P's host loses its link while D reads (the cable of P's host pulled): D's transfer
+    ends with a typed error by its deadline, with its blocks settled (the answer comes only
+    then); P's lease is not left held for ever (its TTL frees it: D's abort cannot reach P);
+    once the link is back the same engines serve the next request."""
+    import asyncio
+    import time
+
+    from kvsvc.errors import KvsvcError
+
+    layout = layout_table(k=4) | {"num_blocks": 64, "block_size": 1024}  # 64 MiB a side: reads take a while
+    with hosts(2) as (a, b):
+        config = a.write("/tmp/p.toml", "[server]\nlease_ttl_s = 3\n")
+        p = start_server(engine_id="hosts-p", role="prefill", tp_size=1, layout=layout, listen=f"{a.address}:0",
+                         extra_env={"UCX_TLS": "tcp"}, global_args=["-v"], launcher=a.launcher,
+                         config_file=config)
+        try:
+            d = start_server(engine_id="hosts-d", role="decode", tp_size=1, layout=layout,
+                             listen=f"{b.address}:0", extra_env={"UCX_TLS": "tcp"}, global_args=["-v"],
+                             launcher=b.launcher)
+            try:
+                async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
+                    await transfer_and_check(s, "warm", [[1]], [[2]])  # handshake and wire-up done
+                    ids = list(range(64))
+                    s.pe.fill([ids])
+                    pub = await s.pc.publish_blocks("cut", [ids])
+                    call = asyncio.ensure_future(s.dc.transfer("d-cut", pub.params, [ids], timeout_s=8))
+                    await asyncio.sleep(0.02)
+                    a.link(False)
+                    t0 = time.monotonic()
+                    try:
+                        with pytest.raises(KvsvcError) as e:
+                            await call
+                        assert e.value.code.name in ("DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL"), e.value
+                        assert time.monotonic() - t0 < 8 + 5, "answered by the transfer's deadline"
+                    finally:
+                        a.link(True)
+                    # P's lease: freed by its TTL at the latest (D's abort may not have reached it).
+                    deadline = time.monotonic() + 15
+                    while (await s.pc.get_info()).live_leases and time.monotonic() < deadline:
+                        await asyncio.sleep(0.2)
+                    assert (await s.pc.get_info()).live_leases == 0
+                # New clients of this test (the old ones' TCP connections may still be backing
+                # off from the outage); the servers themselves are the same.
+                async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
+                    await transfer_and_check(s, "after", [[3, 4]], [[5, 6]])
+            finally:
+                d.stop()
+        finally:
+            p.stop()
