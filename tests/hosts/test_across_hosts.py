@@ -112,3 +112,40 @@ async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_s
                 d.stop()
         finally:
             p.stop()
+
+
+async def test_a_p_engine_over_two_hosts_feeds_a_d_on_a_third():
+    """Multi-node TP: P's ranks 0 and 1 are servers on hosts a and b (a lists b as its
+    sibling, so one publish leases on both), D (TP 1) on host c reads from both."""
+    from kvsvc.client import AsyncClient
+    from tests.e2e.harness import Engine, ReleaseWatch, assert_consumed_everywhere
+
+    layout = layout_table(k=4)
+    with hosts(3) as (a, b, c):
+        common = {"engine_id": "hosts-p", "role": "prefill", "tp_size": 2, "layout": layout, "global_args": ["-v"]}
+        p1 = start_server(ranks=[1], listen=f"{b.address}:0", launcher=b.launcher, **common)
+        p0 = d = None
+        try:
+            p0 = start_server(ranks=[0], listen=f"{a.address}:0", launcher=a.launcher, siblings=[p1.address], **common)
+            d = start_server(engine_id="hosts-d", role="decode", tp_size=1, layout=layout,
+                             listen=f"{c.address}:0", global_args=["-v"], launcher=c.launcher)
+            async with AsyncClient(p0.address) as c0, AsyncClient(p1.address) as c1, AsyncClient(d.address) as dc:
+                pes = [await Engine.of(c0, a.shm_dir), await Engine.of(c1, b.shm_dir)]
+                de = await Engine.of(dc, c.shm_dir)
+                p_ids, d_ids = [[5, 9, 2, 11]], [[0, 3, 4, 7]]
+                for e in pes:
+                    e.fill(p_ids)
+                watches = [await ReleaseWatch.open(x) for x in (c0, c1)]
+                try:
+                    pub = await c0.publish_blocks("mn", p_ids)
+                    assert [s.address for s in pub.params.remote_servers] == [p0.address, p1.address]
+                    await dc.transfer("d-mn", pub.params, d_ids, timeout_s=60)
+                    assert not de.check(d_ids), de.check(d_ids)
+                    await assert_consumed_everywhere(watches, [c0, c1], "mn")
+                finally:
+                    for w in watches:
+                        await w.close()
+        finally:
+            for sp in (d, p0, p1):
+                if sp is not None:
+                    sp.stop()

@@ -13,6 +13,7 @@ import socket
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kvsvc.config import Role
@@ -138,3 +139,22 @@ def test_a_lease_the_worker_cannot_make_frees_the_blocks_and_fails_d_at_once():
     finally:
         d.shutdown()
         p.shutdown()
+
+
+@pytest.mark.parametrize(("tp", "dcp", "groups", "num_tokens"), [
+    (1, 1, [[7, 8, 9]], 96), (2, 1, [[1], [], [2, 3]], 1), (4, 4, [[0, 5]], 33), (2, 2, [[]], 0)])
+def test_the_params_built_by_hand_are_protobufs_own_json(tp, dcp, groups, num_tokens):
+    """request_finished builds the params' JSON itself (protobuf's converter was most of its
+    time); checked against protobuf's own JSON of the same TransferParams."""
+    from kvsvc.v1 import kv_transfer_pb2 as pb
+
+    servers = [(f"10.0.0.{r}:70{r}", 1000 + r, r) for r in range(tp)]
+    made = kvparams.pending_params(engine_id="e", request_id="r-1", block_ids=groups, servers=servers,
+                                   token="ab" * 16, num_tokens=num_tokens, tp_size=tp, dcp_size=dcp)
+    proto = pb.TransferParams(
+        remote_address=servers[0][0], remote_engine_id="e", remote_request_id="r-1",
+        remote_block_ids_per_group=[pb.BlockIds(block_ids=g) for g in groups], remote_epoch=servers[0][1],
+        remote_tp_size=tp, lease_token="ab" * 16, remote_dcp_size=dcp, remote_num_tokens=num_tokens,
+        remote_servers=[pb.EngineServer(address=a, ranks=[r], epoch=e) for a, e, r in servers], lease_pending=True)
+    assert made == kvparams.to_vllm(proto, num_tokens=num_tokens, tp_size=tp, dcp_size=dcp)
+    assert kvparams.from_vllm(made) == proto

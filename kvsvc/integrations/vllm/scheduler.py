@@ -22,7 +22,6 @@ from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import kernel_block_ids
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.leases.table import new_lease_token
-from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
 
@@ -136,12 +135,8 @@ class KvsvcScheduler:
         ids = kernel_block_ids(block_ids, per_logical.pop())
         num_tokens = int(request.num_computed_tokens)
         token = new_lease_token()
-        servers = [self._servers[r] for r in range(self.tp_size)]
-        params = pb.TransferParams(
-            remote_address=servers[0].address, remote_engine_id=self.engine_id,
-            remote_request_id=request.request_id, remote_block_ids_per_group=[pb.BlockIds(block_ids=g) for g in ids],
-            remote_epoch=servers[0].epoch, remote_tp_size=self.tp_size, lease_token=token,
-            remote_servers=[pb.EngineServer(address=s.address, ranks=[s.tp_rank], epoch=s.epoch) for s in servers],
-            remote_dcp_size=self.dcp_size, remote_num_tokens=num_tokens, lease_pending=True)
+        servers = [(info.address, info.epoch, info.tp_rank) for info in (self._servers[r] for r in range(self.tp_size))]
         self._meta.publish[request.request_id] = Publish(ids, num_tokens, token, self.lease_ttl_ms)
-        return kvparams.to_vllm(params, num_tokens=num_tokens, tp_size=self.tp_size, dcp_size=self.dcp_size)
+        return kvparams.pending_params(engine_id=self.engine_id, request_id=request.request_id, block_ids=ids,
+                                       servers=servers, token=token, num_tokens=num_tokens, tp_size=self.tp_size,
+                                       dcp_size=self.dcp_size)
