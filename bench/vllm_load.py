@@ -26,6 +26,7 @@ import argparse
 import concurrent.futures
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -177,12 +178,11 @@ ROWS = [("TTFT p50 (ms)", "ttft_ms_p50"), ("TTFT p99 (ms)", "ttft_ms_p99"),
 def compare(results: dict[str, Any], concurrencies: list[int]) -> None:
     """Each P/D run's answers next to the aggregated run's at the same concurrency."""
     for c in map(str, concurrencies):
-        reference = results["aggregated"][c]["outputs"]
-        for config in CONFIGS:
+        reference = results["aggregated"][c]["outputs"] if "aggregated" in results else None
+        for config in results:
             outs = results[config][c].pop("outputs")
-            results[config][c]["same"] = sum(a is not None and a == b for a, b in zip(outs, reference, strict=True))
-    for c in map(str, concurrencies):
-        results["aggregated"][c].pop("outputs", None)
+            if reference is not None:
+                results[config][c]["same"] = sum(a is not None and a == b for a, b in zip(outs, reference, strict=True))
 
 
 def table(results: dict[str, Any], concurrencies: list[int], n: int) -> str:
@@ -191,7 +191,8 @@ def table(results: dict[str, Any], concurrencies: list[int], n: int) -> str:
         lines.append(f"\n{n} requests, {c} in flight")
         lines.append(f"{'':34}{'kvsvc':>12}{'NixlConnector':>16}{'aggregated':>12}")
         for label, key in ROWS:
-            cells = [results[config][c].get(key) for config in ("kvsvc", "nixl", "aggregated")]
+            cells = [results[config][c].get(key) if config in results else None
+                     for config in ("kvsvc", "nixl", "aggregated")]
             lines.append(f"{label:34}" + "".join(f"{'-' if v is None else v!s:>{w}}"
                                                   for v, w in zip(cells, (12, 16, 12), strict=True)))
     return "\n".join(lines)
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", type=Path, help="save the figures here")
     ap.add_argument("--plot", type=Path, help="save a PNG of TTFT p50/p99 against concurrency here")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                    help="run only these (the table then compares what ran)")
+    ap.add_argument("--keep-logs", type=Path, help="copy the engines' logs here")
     args = ap.parse_args(argv)
     rng = random.Random(7)
     prompts = make_prompts(args.requests, rng)
@@ -234,18 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-vllm-load-") as tmp:
         base = Path(tmp)
         write_model(base / "model", max_positions=4096)
-        for config in CONFIGS:
+        for config in args.configs:
             print(f"{config}: starting ...", file=sys.stderr)
             results[config] = run_config(config, base / "model", base, prompts, warm_up, args.concurrency,
                                          args.max_tokens)
+        if args.keep_logs:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            for log in base.glob("*.log"):
+                shutil.copy(log, args.keep_logs / log.name)
     compare(results, args.concurrency)
     print(table(results, args.concurrency, args.requests))
-    failed = sum(results[c][str(k)]["failed"] for c in CONFIGS for k in args.concurrency)
+    failed = sum(results[c][str(k)]["failed"] for c in results for k in args.concurrency)
     if args.json:
         args.json.write_text(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens,
                                          "concurrency": args.concurrency, **results}, indent=2) + "\n")
         print(f"saved {args.json}")
-    if args.plot:
+    if args.plot and len(results) == len(CONFIGS):
         plot(results, args.concurrency, args.plot)
         print(f"saved {args.plot}")
     return 1 if failed else 0

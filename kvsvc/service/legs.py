@@ -180,13 +180,17 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
             dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest)
-        give_up_at = time.monotonic() + (min(timeout_s, PENDING_LEASE_WAIT_S) if p.lease_pending else 0.0)
+        first_try = time.monotonic()
+        give_up_at = first_try + (min(timeout_s, PENDING_LEASE_WAIT_S) if p.lease_pending else 0.0)
         pause = PENDING_RETRY_FIRST_S
         while True:
             leg.claim = ClaimState.SENT
             try:
                 resp = await leg.peer.lease_calls.claim_lease(
                     req, timeout_s=max(0.05, timeout_s), traceparent=own.traceparent)
+                if pause > PENDING_RETRY_FIRST_S * 16:  # waited ~80 ms or more: say how long P took
+                    log.info("claim of %s waited %.0f ms for %s to make its lease", p.remote_request_id,
+                             1e3 * (time.monotonic() - first_try), leg.peer.address)
                 break
             except KvsvcError as e:
                 # Params handed out before P leased the blocks: the lease is on its way (P's

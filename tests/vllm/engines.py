@@ -120,8 +120,8 @@ class Engine:
         # An embedded kvsvc server of this test process points UCX's log at its private
         # directory through the environment; an engine must not inherit that (the directory
         # goes with the server, and UCX in a NixlConnector worker then fails to start).
-        for name in ("UCX_LOG_FILE", "UCX_PROTO_INFO", "KVSVC_UCX_LOG_OWNER"):
-            env.pop(name, None)
+        for var in ("UCX_LOG_FILE", "UCX_PROTO_INFO", "KVSVC_UCX_LOG_OWNER"):
+            env.pop(var, None)
         if connector and connector.get("kv_connector") == "NixlConnector":
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_ports(tp))
         self.log = logs / f"{name}.log"

@@ -67,5 +67,11 @@ def from_vllm(params: Mapping[str, Any]) -> pb.TransferParams:
                               {"key": KEY}) from e
 
 
+NULL_BLOCK = 0  # vLLM's placeholder for a block a group does not keep (out of a sliding window)
+
+
 def block_lists(block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-    return [[int(b) for b in group] for group in block_ids]
+    """vLLM's block ids per group as kvsvc takes them: without the null blocks that stand for
+    the blocks a sliding-window group let go (a prefix of its list), so a group lists the
+    blocks it holds, and both sides line them up from the end."""
+    return [[int(b) for b in group if b != NULL_BLOCK] for group in block_ids]

@@ -132,7 +132,7 @@ class KvsvcScheduler:
         per_logical = {info.blocks_per_logical for info in self._servers.values()}
         if len(per_logical) != 1:
             raise RuntimeError(f"workers split vLLM's blocks differently: {sorted(per_logical)}")
-        ids = kernel_block_ids(block_ids, per_logical.pop())
+        ids = kernel_block_ids(kvparams.block_lists(block_ids), per_logical.pop())
         num_tokens = int(request.num_computed_tokens)
         token = new_lease_token()
         servers = [(info.address, info.epoch, info.tp_rank) for info in (self._servers[r] for r in range(self.tp_size))]
