@@ -103,6 +103,25 @@ def _ttl_s(ms: int) -> float | None:
 
 async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) -> pb.PublishBlocksResponse:
     """Lease the blocks here (and, for the engine's own call, on every sibling server)."""
+    lease, groups = lease_here(node, req)
+    servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch)]
+    if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
+        try:
+            servers += await siblings.publish(req, lease.token)
+        except BaseException:
+            node.leases.notify(req.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token, withdraw=True)
+            raise
+    params = pb.TransferParams(
+        remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
+        remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
+        remote_tp_size=node.config.tp_size, lease_token=lease.token, remote_servers=servers,
+        remote_dcp_size=node.layout.dcp_size, remote_num_tokens=req.num_tokens)
+    return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+
+
+def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[list[int]]]:
+    """Check a publish and lease its blocks on this server alone, at once (no await: an engine
+    embedding the server calls it on the server's loop, in order with its other work)."""
     node.require_role(Role.PREFILL, "PublishBlocks")
     node.require_data_plane("PublishBlocks")
     check_id(req.request_id, "request_id")
@@ -118,19 +137,7 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
     _check_num_tokens(node, req.num_tokens, groups)
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
                                 num_tokens=req.num_tokens)
-    servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch)]
-    if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
-        try:
-            servers += await siblings.publish(req, lease.token)
-        except BaseException:
-            node.leases.notify(req.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token, withdraw=True)
-            raise
-    params = pb.TransferParams(
-        remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
-        remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
-        remote_tp_size=node.config.tp_size, lease_token=lease.token, remote_servers=servers,
-        remote_dcp_size=node.layout.dcp_size, remote_num_tokens=req.num_tokens)
-    return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+    return lease, groups
 
 
 def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> None:

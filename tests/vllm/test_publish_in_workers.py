@@ -158,3 +158,102 @@ def test_the_params_built_by_hand_are_protobufs_own_json(tp, dcp, groups, num_to
         remote_servers=[pb.EngineServer(address=a, ranks=[r], epoch=e) for a, e, r in servers], lease_pending=True)
     assert made == kvparams.to_vllm(proto, num_tokens=num_tokens, tp_size=tp, dcp_size=dcp)
     assert kvparams.from_vllm(made) == proto
+
+
+# ---- the early lease: made in the step whose forward completes the prompt ---------------
+
+def _step_output(new: dict[str, list[int]] | None = None, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    """What vLLM's scheduler passes build_connector_meta: new requests with their blocks (one
+    group), none cached, and the tokens scheduled per request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,)) for r, ids in (new or {}).items()],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+        num_scheduled_tokens=dict(scheduled or {}))
+
+
+def _arriving(req_id: str, tokens: int = 16) -> SimpleNamespace:
+    """A P request as vLLM schedules it: one output token, nothing computed yet."""
+    r = _finished(req_id, tokens)
+    r.num_computed_tokens, r.max_tokens = 0, 1
+    return r
+
+
+def _live_leases(p: KvsvcWorker) -> dict[str, str]:
+    """The live leases of P's embedded server and their tokens (looked at in process)."""
+    server = p._server
+    assert server is not None
+    return {lease.request_id: lease.token for lease in server.node.leases.listing(100)}
+
+
+def _scheduled_to_finish(sched: KvsvcScheduler, p: KvsvcWorker, req: SimpleNamespace, blocks: list[int]):
+    """vLLM schedules req's whole prompt in one step: the step's metadata reaches the worker."""
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = sched.build_connector_meta(_step_output({req.request_id: blocks}, {req.request_id: req.num_prompt_tokens}))
+    assert meta.publish[req.request_id].early
+    p.start_load_kv(meta)
+    req.num_computed_tokens = req.num_prompt_tokens  # the forward ran
+    return meta.publish[req.request_id]
+
+
+def test_the_lease_exists_before_request_finished_hands_out_its_params():
+    p, d = _worker(Role.PREFILL, "pw-p", fill=3), _worker(Role.DECODE, "pw-d")
+    try:
+        sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+        sched.set_servers({0: p.info})
+        req = _arriving("e1")
+        order = _scheduled_to_finish(sched, p, req, [5])
+        assert _until(lambda: _live_leases(p)) == {"e1": order.lease_token}, "leased before vLLM finished it"
+        delay, params = sched.request_finished(req, [[5]])
+        assert delay and kvparams.from_vllm(params).lease_token == order.lease_token
+        meta = sched.build_connector_meta(_step_output())
+        assert meta.publish == {} and meta.delayed_early == {"e1"} and meta.withdraw == {}
+        p.start_load_kv(meta)
+        d.start_load_kv(KvsvcConnectorMetadata(receive={"d-e1": Receive([[9]], params, True)}))
+        assert _loaded(d, "d-e1") == "loaded"
+        assert all(torch.equal(a[5], b[9]) for a, b in zip(p.buffers, d.buffers, strict=True))
+        assert _until(lambda: p.transfer_results(set())[0]) == {"e1"}
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_an_early_lease_is_withdrawn_when_its_blocks_changed_or_the_request_was_not_kept():
+    p = _worker(Role.PREFILL, "pw-p")
+    try:
+        sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+        sched.set_servers({0: p.info})
+        moved, aborted = _arriving("m1"), _arriving("a1")
+        early_m = _scheduled_to_finish(sched, p, moved, [5])
+        _scheduled_to_finish(sched, p, aborted, [6])
+        assert set(_until(lambda: len(_live_leases(p)) == 2 and _live_leases(p))) == {"m1", "a1"}
+        delay, params = sched.request_finished(moved, [[7]])  # its blocks are not those leased
+        assert delay and kvparams.from_vllm(params).lease_token != early_m.lease_token
+        aborted.status = SimpleNamespace(name="FINISHED_ABORTED")
+        assert sched.request_finished(aborted, [[6]]) == (False, None)
+        meta = sched.build_connector_meta(_step_output())
+        assert set(meta.withdraw) == {"m1", "a1"} and set(meta.publish) == {"m1"} and meta.delayed == {"m1"}
+        p.start_load_kv(meta)
+        new_token = kvparams.from_vllm(params).lease_token
+        assert _until(lambda: _live_leases(p) == {"m1": new_token}), _live_leases(p)
+        # Withdrawn leases make no release: vLLM hears of neither (it freed a1's blocks itself).
+        time.sleep(0.3)
+        assert p.transfer_results(set())[0] == set()
+    finally:
+        p.shutdown()
+
+
+def test_an_early_lease_that_could_not_be_made_gives_the_blocks_back_once_they_are_kept():
+    p = _worker(Role.PREFILL, "pw-p")
+    try:
+        sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+        sched.set_servers({0: p.info})
+        req = _arriving("f1")
+        _scheduled_to_finish(sched, p, req, [10_000])  # no such block: the server refuses the lease
+        time.sleep(0.3)
+        assert p.transfer_results(set())[0] == set(), "not before vLLM keeps the blocks"
+        delay, _ = sched.request_finished(req, [[10_000]])
+        assert delay
+        p.start_load_kv(sched.build_connector_meta(_step_output()))
+        assert _until(lambda: p.transfer_results(set())[0]) == {"f1"}
+    finally:
+        p.shutdown()

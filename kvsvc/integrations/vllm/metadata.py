@@ -42,6 +42,10 @@ class Publish:
     num_tokens: int
     lease_token: str
     lease_ttl_ms: int = 0
+    # Made in the step whose forward completes the request's prompt, before vLLM finishes it
+    # (so D never waits for a later step); request_finished then hands out its token, or
+    # the lease is withdrawn.
+    early: bool = False
 
 
 @dataclass
@@ -62,3 +66,8 @@ class KvsvcConnectorMetadata(KVConnectorMetadata):
     delayed: set[str] = field(default_factory=set)
     # P: the leases to make this step (every worker, on its own server).
     publish: dict[str, Publish] = field(default_factory=dict)
+    # P: delayed requests whose params name their early lease (a subset of delayed): if
+    # that lease could not be made, vLLM gets the blocks back at once.
+    delayed_early: set[str] = field(default_factory=set)
+    # P: early leases nobody will claim (request_id -> token): taken back, no release event.
+    withdraw: dict[str, str] = field(default_factory=dict)

@@ -30,6 +30,7 @@ from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.loop import LoopThread
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
+from kvsvc.leases.table import NotifyKind
 from kvsvc.service import prefill
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -90,6 +91,7 @@ class KvsvcWorker:
         # never match (a publish that timed out on the scheduler but was applied).
         self._released: OrderedDict[str, None] = OrderedDict()
         self._delayed: OrderedDict[str, None] = OrderedDict()
+        self._early_failed: OrderedDict[str, None] = OrderedDict()  # early leases refused (on the loop)
         self._stopping = False
         self._release_stream: ReleaseStream | None = None
         self._stats = KvsvcConnectorStats()  # since vLLM last took them
@@ -214,14 +216,11 @@ class KvsvcWorker:
     # ---- each step -------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
-        if meta.delayed:
-            with self._lock:
-                for rid in meta.delayed:
-                    self._delayed[rid] = None
-                while len(self._delayed) > FINISHED_REMEMBERED:
-                    self._delayed.popitem(last=False)
-        if meta.publish:  # after the delayed ones are known: a release may follow at once
-            self._loop.submit(self._lease(dict(meta.publish)))
+        if meta.delayed or meta.publish or meta.withdraw:
+            # One callback on the server's loop, so that this step's leases are made before
+            # the next step's metadata is looked at (it may name them), and in this order.
+            self._loop.loop.call_soon_threadsafe(self._p_step, set(meta.delayed), set(meta.delayed_early),
+                                                 dict(meta.withdraw), dict(meta.publish))
         for req_id, recv in meta.receive.items():
             fut = self._loop.submit(self._transfer(req_id, recv))
             self._running[req_id] = fut
@@ -238,27 +237,53 @@ class KvsvcWorker:
                 self._loop.loop.call_soon_threadsafe(self._update_kept, dict(meta.keep_alive),
                                                      set(meta.stop_keep_alive))
 
-    async def _lease(self, orders: dict[str, Publish]) -> None:
-        """P, on the loop: lease each finished request's blocks on this rank's server, in
-        process (no socket, no RPC), under the token the scheduler minted. A refused lease
-        leaves a tombstone, so a D already asking for it fails at once instead of waiting,
-        and is reported finished sending: vLLM frees the blocks. Never raises."""
+    def _p_step(self, delayed: set[str], delayed_early: set[str], withdraw: dict[str, str],
+                publish: dict[str, Publish]) -> None:
+        """P, on the server's loop, for one step: the requests vLLM now keeps blocks for
+        (one whose early lease could not be made gets them back at once), the early leases
+        nobody will claim, then this step's leases. Never raises."""
+        with self._lock:
+            for rid in delayed:
+                self._delayed[rid] = None
+            while len(self._delayed) > FINISHED_REMEMBERED:
+                self._delayed.popitem(last=False)
+        for rid in delayed_early & self._early_failed.keys():
+            del self._early_failed[rid]
+            self._record_release(rid, "")
         server = self._server
         if server is None:  # shutting down: vLLM frees everything anyway
             return
-        for req_id, order in orders.items():
-            req = pb.PublishBlocksRequest(request_id=req_id, lease_ttl_ms=order.lease_ttl_ms,
-                                          block_ids_per_group=[pb.BlockIds(block_ids=g) for g in order.block_ids],
-                                          lease_token=order.lease_token, num_tokens=order.num_tokens)
+        for rid, token in withdraw.items():
+            self._early_failed.pop(rid, None)
             try:
-                await prefill.publish(server.node, req, server.siblings)
-            except Exception as e:
-                log.warning("kvsvc: rank %d could not lease %s for decode (its blocks are freed): %s",
-                            self.tp_rank, req_id, e)
-                server.node.leases.refuse(req_id, order.lease_token)
-                with self._lock:
-                    self._stats.count("lease_failed")
-                self._record_release(req_id, "")
+                server.node.leases.notify(rid, NotifyKind.ABORTED, [], server.node.epoch, token=token, withdraw=True)
+            except KvsvcError as e:
+                log.warning("kvsvc: rank %d could not take back the early lease of %s: %s", self.tp_rank, rid, e)
+        for rid, order in publish.items():
+            self._lease(server, rid, order)
+
+    def _lease(self, server: RunningServer, rid: str, order: Publish) -> None:
+        """Lease one request's blocks on this rank's server, in process, under the token the
+        scheduler minted. A refused lease leaves a tombstone, so a D already asking for it
+        fails at once instead of waiting, and its blocks go back to vLLM: now, or for an
+        early lease once the scheduler says it handed that lease's params out."""
+        req = pb.PublishBlocksRequest(request_id=rid, lease_ttl_ms=order.lease_ttl_ms, num_tokens=order.num_tokens,
+                                      block_ids_per_group=[pb.BlockIds(block_ids=g) for g in order.block_ids],
+                                      lease_token=order.lease_token)
+        try:
+            prefill.lease_here(server.node, req)
+        except Exception as e:
+            log.warning("kvsvc: rank %d could not lease %s for decode (its blocks are freed): %s",
+                        self.tp_rank, rid, e)
+            server.node.leases.refuse(rid, order.lease_token)
+            with self._lock:
+                self._stats.count("lease_failed")
+            if order.early:
+                self._early_failed[rid] = None
+                while len(self._early_failed) > FINISHED_REMEMBERED:
+                    self._early_failed.popitem(last=False)
+            else:
+                self._record_release(rid, "")
 
     def _give_up(self, req_id: str) -> None:
         """On the loop: cancel req_id's transfer (or, not started yet, keep it from starting)."""
