@@ -5,7 +5,9 @@
 Requests: {"op": "generate", "prompts": [[ids...]], "max_tokens": N, "params": [dict|null]}
           -> {"outputs": [{"token_ids": [...], "logprobs": [...], "kv_transfer_params": {...}|null}]}
           {"op": "blocks_free", "timeout_s": S} -> {"free": bool}: whether the engine holds no KV
-          block (within S seconds); {"op": "stop"}. The engine answers {"ready": true} once started.
+          block (within S seconds); {"op": "kvsvc_totals"} -> {"totals": {...}}: the kvsvc
+          connector's transfers since start, summed over the workers; {"op": "stop"}.
+          The engine answers {"ready": true} once started.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ import json
 import os
 import sys
 import time
+
+
+def _kvsvc_totals(worker: object) -> dict[str, int]:
+    """In each worker: its kvsvc connector's transfer totals."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().transfer_totals()
 
 
 def main() -> None:
@@ -45,6 +54,14 @@ def main() -> None:
                 time.sleep(0.2)
                 free = llm.reset_prefix_cache()
             out.write(json.dumps({"free": free}) + "\n")
+            out.flush()
+            continue
+        if req["op"] == "kvsvc_totals":
+            totals: dict[str, int] = {}
+            for per_worker in llm.collective_rpc(_kvsvc_totals):
+                for k, v in per_worker.items():
+                    totals[k] = totals.get(k, 0) + v
+            out.write(json.dumps({"totals": totals}) + "\n")
             out.flush()
             continue
         sps = []

@@ -116,7 +116,9 @@ class Engine:
         # Unbound, one OpenMP thread per worker: with several engines on two cores, workers pinned
         # to a core (vLLM's default) starve whatever else shares it, and a TP-2 NixlConnector
         # engine was seen to hang so.
-        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+        # Insecure serialization: collective_rpc with a function of this module (kvsvc_totals).
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
+                   VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         # An embedded kvsvc server of this test process points UCX's log at its private
         # directory through the environment; an engine must not inherit that (the directory
         # goes with the server, and UCX in a NixlConnector worker then fails to start).
@@ -156,6 +158,10 @@ class Engine:
     def blocks_free(self, timeout_s: float = 60) -> bool:
         """True once the engine holds no KV block (P frees a request's after kvsvc released it)."""
         return bool(self._ask({"op": "blocks_free", "timeout_s": timeout_s})["free"])
+
+    def kvsvc_totals(self) -> dict[str, int]:
+        """The kvsvc connector's transfers since start (loaded, failed, cancelled, bytes), all workers."""
+        return self._ask({"op": "kvsvc_totals"})["totals"]
 
     def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None
                  ) -> list[dict[str, Any]]:

@@ -72,9 +72,14 @@ def test_tp1_pd_equals_the_aggregated_run(tp1, reference):
 def test_prefix_hit_on_d_reads_only_the_tail(tp1, reference):
     P, D = tp1
     disaggregated(P, D, [HEAD], keep_cache=True)
+    before = D.kvsvc_totals()
     (out,) = disaggregated(P, D, [LONGER])
     assert out["num_cached_tokens"] >= 96  # the first three blocks came from D's own cache
     same([out], reference["longer"])
+    # Only the tail moved: LONGER's 136 tokens are 5 blocks of 32, D held the first 3. A
+    # block is 2 layers x 2 KV heads x 32 tokens x 64 x (K + V) x 2 bytes = 32 KiB.
+    after = D.kvsvc_totals()
+    assert (after["loaded"] - before["loaded"], after["bytes"] - before["bytes"]) == (1, 2 * 32 * 1024)
 
 
 def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines, tp1, reference):
@@ -87,6 +92,9 @@ def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines,
         with Client(addresses[0]) as c:
             c.get_info(timeout_s=2)
     # D's loads fail (kv_load_failure_policy "recompute"): it prefills itself, same tokens.
+    before = D.kvsvc_totals()
     same(D.generate(PROMPTS[:2], 8, params), reference["first-two"])
+    after = D.kvsvc_totals()
+    assert (after["failed"] - before["failed"], after["loaded"] - before["loaded"]) == (2, 0), (before, after)
     same(D.generate(PROMPTS[2:4], 8), reference["next-two"])  # and keeps serving
     assert D.blocks_free(), ("D still holds KV blocks after the failed loads", D.tail())

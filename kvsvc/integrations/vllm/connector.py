@@ -215,6 +215,10 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
+    def transfer_totals(self) -> dict[str, int]:
+        """This worker's transfers since start (loaded, failed, cancelled, bytes); {} elsewhere."""
+        return self._worker.totals() if self._worker is not None else {}
+
     def get_kv_connector_stats(self) -> KvsvcConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None
 

@@ -95,6 +95,8 @@ class KvsvcWorker:
         self._stopping = False
         self._release_stream: ReleaseStream | None = None
         self._stats = KvsvcConnectorStats()  # since vLLM last took them
+        # Since start, for whoever asks (vLLM takes the stats above every step).
+        self._totals = {"loaded": 0, "failed": 0, "cancelled": 0, "bytes": 0}
 
     # ---- set-up ----------------------------------------------------------------------
 
@@ -329,11 +331,15 @@ class KvsvcWorker:
             self._running.pop(req_id, None)
             if fut.cancelled():
                 self._stats.count("cancelled")
+                self._totals["cancelled"] += 1
             elif failed:
                 self._stats.count("failed")
+                self._totals["failed"] += 1
                 log.warning("kvsvc: transfer of %s failed: %s", req_id, fut.exception())
             else:
                 resp = fut.result()
+                self._totals["loaded"] += 1
+                self._totals["bytes"] += resp.total_bytes
                 self._stats.record_transfer(xfer_s=resp.duration_us / 1e6,
                                             wire_s=max((r.duration_us for r in resp.ranks), default=0) / 1e6,
                                             nbytes=resp.total_bytes, descriptors=sum(r.num_descriptors for r in resp.ranks))
@@ -396,6 +402,11 @@ class KvsvcWorker:
             log.info("kvsvc: %s abandoned before its transfer: %s", req_id, answers)
         except Exception as e:
             log.warning("kvsvc: could not abort the lease of %s: %s", req_id, e)
+
+    def totals(self) -> dict[str, int]:
+        """D: transfers loaded, failed and cancelled since start, and the bytes loaded."""
+        with self._lock:
+            return dict(self._totals)
 
     def take_stats(self) -> KvsvcConnectorStats | None:
         """What happened since the last call (None: nothing)."""
