@@ -35,7 +35,7 @@ from typing import Any
 
 import requests
 
-from bench.vllm_pd import CONNECTORS, histogram
+from bench.vllm_pd import CONNECTORS, histogram, stream
 from tests.vllm.engines import side_channel_ports, write_model
 from tests.vllm.served import Served, completion, vllm_serve
 
@@ -64,24 +64,6 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def stream(url: str, body: dict[str, Any], t0: float) -> tuple[float, list[int]]:
-    """(time of the first token after t0, token ids) of a streamed completion."""
-    first = None
-    ids: list[int] = []
-    with requests.post(url + "/v1/completions", stream=True, timeout=600, json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if line.startswith(b"data: {"):
-                got = json.loads(line[6:])["choices"][0].get("token_ids") or []
-                if got and first is None:
-                    first = time.perf_counter() - t0
-                ids += got
-    if first is None:
-        raise RuntimeError("no token streamed")
-    return first, ids
 
 
 def one_request(engines: dict[str, Served], prompt: list[int], max_tokens: int) -> dict[str, Any]:

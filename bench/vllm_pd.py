@@ -72,22 +72,27 @@ def histogram(s: Served, name: str) -> tuple[float, float]:
     return total, count
 
 
-def decode_streamed(d: Served, prompt: list[int], params: dict[str, Any], max_tokens: int) -> tuple[float, list[int]]:
-    """(seconds to the first token, token ids) of one streamed request to D."""
-    t0 = time.perf_counter()
+def stream(url: str, body: dict[str, Any], t0: float) -> tuple[float, list[int]]:
+    """(seconds from t0 to the first streamed token, token ids) of a streamed completion."""
     first = None
     ids: list[int] = []
-    with requests.post(d.url + "/v1/completions", stream=True, timeout=600,
-                       json=completion(prompt, max_tokens, stream=True, kv_transfer_params=params)) as r:
-        assert r.status_code == 200, r.text[:500]
+    with requests.post(url + "/v1/completions", stream=True, timeout=600, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
         for line in r.iter_lines():
             if line.startswith(b"data: {"):
                 got = json.loads(line[6:])["choices"][0].get("token_ids") or []
                 if got and first is None:
                     first = time.perf_counter() - t0
                 ids += got
-    assert first is not None, "D streamed no token"
+    if first is None:
+        raise RuntimeError("no token streamed")
     return first, ids
+
+
+def decode_streamed(d: Served, prompt: list[int], params: dict[str, Any], max_tokens: int) -> tuple[float, list[int]]:
+    """(seconds to the first token, token ids) of one streamed request to D."""
+    return stream(d.url, completion(prompt, max_tokens, kv_transfer_params=params), time.perf_counter())
 
 
 def run_pair(name: str, model: Path, logs: Path, warm_up: list[list[int]], prompts: list[list[int]],
