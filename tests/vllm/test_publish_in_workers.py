@@ -257,3 +257,38 @@ def test_an_early_lease_that_could_not_be_made_gives_the_blocks_back_once_they_a
         assert _until(lambda: p.transfer_results(set())[0]) == {"f1"}
     finally:
         p.shutdown()
+
+
+def test_step_outputs_it_cannot_follow_never_reach_vllms_scheduler():
+    """A step output whose block lists do not line up with what was seen (a group more) is
+    logged; the request is leased the regular way once it finishes."""
+    sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+    sched.set_servers({0: ServerInfo("127.0.0.1:1", 7, 0)})
+    req = _arriving("odd", tokens=64)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.build_connector_meta(_step_output({"odd": [1]}, {"odd": 32}))  # half the prompt
+    odd = _step_output(scheduled={"odd": 32})
+    odd.scheduled_cached_reqs = SimpleNamespace(req_ids=["odd"], resumed_req_ids=set(), new_block_ids=[([2], [3])])
+    assert sched.build_connector_meta(odd).publish == {}
+    req.num_computed_tokens = 64
+    delay, _ = sched.request_finished(req, [[1, 2]])
+    meta = sched.build_connector_meta(_step_output())
+    assert delay and set(meta.publish) == {"odd"} and not meta.publish["odd"].early and meta.withdraw == {}
+
+
+def test_a_prompt_prefilled_in_chunks_is_leased_with_all_its_blocks_in_its_last_chunk():
+    sched = KvsvcScheduler(engine_id="pw-p", tp_size=1, dcp_size=1, is_producer=True)
+    sched.set_servers({0: ServerInfo("127.0.0.1:1", 7, 0)})
+    req = _arriving("chunked", tokens=64)
+    sched.get_num_new_matched_tokens(req, 0)
+    assert sched.build_connector_meta(_step_output({"chunked": [4]}, {"chunked": 32})).publish == {}
+    req.num_computed_tokens = 32
+    last = _step_output(scheduled={"chunked": 32})
+    last.scheduled_cached_reqs = SimpleNamespace(req_ids=["chunked"], resumed_req_ids=set(), new_block_ids=[([9],)])
+    order = sched.build_connector_meta(last).publish["chunked"]
+    assert order.early and order.block_ids == [[4, 9]] and order.num_tokens == 64
+    req.num_computed_tokens = 64
+    delay, params = sched.request_finished(req, [[4, 9]])
+    assert delay and kvparams.from_vllm(params).lease_token == order.lease_token
+    meta = sched.build_connector_meta(_step_output())
+    assert meta.publish == {} and meta.delayed_early == {"chunked"}

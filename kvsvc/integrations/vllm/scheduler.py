@@ -101,7 +101,13 @@ class KvsvcScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KvsvcConnectorMetadata:
         if self._prefilling:
-            self._lease_early(scheduler_output)
+            try:
+                self._lease_early(scheduler_output)
+            except Exception:  # never into vLLM's scheduler: these requests take the regular path
+                log.warning("kvsvc: could not follow the blocks of %d prefills; leasing them after they finish",
+                            len(self._prefilling), exc_info=True)
+                self._prefilling.clear()
+                self._blocks.clear()
         meta, self._meta = self._meta, KvsvcConnectorMetadata()
         return meta
 
