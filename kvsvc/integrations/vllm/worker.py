@@ -3,7 +3,9 @@
 Each vLLM worker (one TP rank) runs a kvsvc server on its own thread and event loop,
 handed the worker's KV tensors in place; a TP-N engine is an engine over N servers.
 D: each request in the step's metadata becomes a Transfer on this worker's server (its
-rank's reads), run on the server's loop while the model keeps stepping. P: the server's
+rank's reads), run on the server's loop while the model keeps stepping. P: the step's
+metadata names the leases to make (under tokens the scheduler minted) and to take back;
+the worker makes them on its own server, in process, on the server's loop; the server's
 release stream says when D is done with a request's blocks (consumed, expired or
 aborted); vLLM frees them once every worker reported it.
 """
@@ -40,8 +42,8 @@ log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and l
 TRANSFER_TIMEOUT_S = 120.0
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
-# Heartbeat answers that leave a waiting request's lease worth keeping (P's workers make a
-# lease from the step after the request finished: it may not exist yet).
+# Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
+# handed out a step before P's workers make the lease: it may not exist yet).
 KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
 
 
