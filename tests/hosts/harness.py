@@ -157,7 +157,7 @@ class Hosts:
         name = f"h{n}"
         # A boot id of its own too: UCX tells hosts apart by it (same boot id: same machine,
         # and it would read across "hosts" with cma, which only one kernel can do).
-        setup = ("mount --make-rprivate / && mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && "
+        setup = ("mount --make-rprivate / && mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && "
                  "mount -t tmpfs -o mode=1777 tmpfs /tmp && mkdir -m 0700 /tmp/.host && "
                  "cat /proc/sys/kernel/random/uuid > /tmp/.host/boot_id && "
                  "mount --bind /tmp/.host/boot_id /proc/sys/kernel/random/boot_id && "

@@ -41,9 +41,10 @@ def _group_states(pgid: int) -> dict[int, str]:
 class Served:
     """One process group serving HTTP on a free port: `vllm serve` or the router."""
 
-    def __init__(self, name: str, argv: list[str], logs: Path, port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], logs: Path, port: int, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.log = logs / f"{name}.log"
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=ROOT,

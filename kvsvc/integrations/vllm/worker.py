@@ -47,6 +47,19 @@ FINISHED_REMEMBERED = 1 << 18
 KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
 
 
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def _dialable(listen_host: str) -> str:
+    """Where this process reaches a server listening on listen_host: that address itself, or
+    loopback for a wildcard (a server bound to one host address is not on 127.0.0.1)."""
+    return "127.0.0.1" if listen_host in WILDCARDS else listen_host
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def _log_under_vllm() -> None:
     """The embedded server's own log lines (kvsvc.*) go where vLLM's go, at vLLM's level."""
     ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
@@ -111,14 +124,14 @@ class KvsvcWorker:
 
         async def boot() -> tuple[RunningServer, AsyncClient, int]:
             server, port = await create_server(config, external_pools={self.tp_rank: description.buffers})
-            client = AsyncClient(f"127.0.0.1:{port}", self._options)
+            client = AsyncClient(_host_port(_dialable(self._listen_host), port), self._options)
             return server, client, port
 
         self._server, self._client, port = self._loop.run(boot(), 60)
         self._loop.submit(self._loop.watch_stalls())
         info = self._loop.run(self._client.get_info(), 10)
         self._blocks_per_logical = description.blocks_per_logical
-        self.info = ServerInfo(f"{self._advertise_host}:{port}", info.epoch, self.tp_rank,
+        self.info = ServerInfo(_host_port(self._advertise_host, port), info.epoch, self.tp_rank,
                                description.blocks_per_logical)
         if self.role in (Role.PREFILL, Role.BOTH):  # subscribed before any lease can exist
             stream = self._loop.run(self._client.open_release_stream(), 10)

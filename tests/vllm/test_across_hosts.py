@@ -1,0 +1,76 @@
+"""vLLM across hosts: a P engine on host a, a D engine on host b, kvsvc's router on host c.
+
+Hosts are simulated (tests/hosts/harness.py: own address, /dev/shm, /tmp, hostname, boot
+id), so the KV moves over UCX on the network and every call crosses hosts; the embedded
+kvsvc servers listen on and advertise their host's address (`listen_host`). Answers equal
+the aggregated run's; P releases each request CONSUMED and holds no lease after.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+
+import pytest
+
+from tests.hosts.harness import Host, available, hosts
+from tests.vllm.engines import kvsvc
+from tests.vllm.prompts import PROMPTS
+from tests.vllm.releases import Releases, p_servers
+from tests.vllm.served import Served, completion, tokens_and_logprobs
+
+pytestmark = [pytest.mark.full, pytest.mark.timeout(900),
+              pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+PORT = 8000  # every host has its own network: the same port on each
+CONSUMED = "RELEASE_REASON_CONSUMED"
+
+
+def serve_on(host: Host, name: str, model_dir: str, connector: dict, logs) -> Served:
+    argv = [*host.launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--host", host.address, "--port", str(PORT), "--skip-tokenizer-init", "--return-tokens-as-token-ids",
+            "--enforce-eager", "--max-model-len", "512", "--block-size", "32",
+            "--kv-transfer-config", json.dumps(connector)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    return Served(name, argv, logs, PORT, env, host=host.address)
+
+
+def test_p_d_and_router_on_three_hosts_equal_the_aggregated_run(engines, reference, tmp_path):
+    with hosts(3) as (a, b, c):
+        for h in (a, b):  # each host has its own /tmp: the model is copied onto it
+            shutil.copytree(engines.model, f"/proc/{h.init.pid}/root/tmp/model")
+        p = serve_on(a, "hosts-p", "/tmp/model", kvsvc("kv_producer", listen_host=a.address), tmp_path)
+        d = serve_on(b, "hosts-d", "/tmp/model", kvsvc("kv_consumer", listen_host=b.address), tmp_path)
+        procs = [p, d]
+        try:
+            p.wait_ready()
+            d.wait_ready()
+            r = Served("hosts-router", [*c.launcher, sys.executable, "-m", "kvsvc.integrations.vllm.router",
+                                        "--prefill", p.url, "--decode", d.url, "--host", c.address,
+                                        "--port", str(PORT)], tmp_path, PORT, host=c.address)
+            procs.append(r)
+            r.wait_ready(120)
+            kv = p.post("/v1/completions", completion(PROMPTS[5], 1, kv_transfer_params={"do_remote_decode": True}))[
+                "kv_transfer_params"]
+            servers = p_servers(kv)
+            assert servers and all(s.startswith(a.address + ":") for s in servers), servers
+            releases = Releases(servers)
+            try:
+                direct = d.post("/v1/completions", completion(PROMPTS[5], 8, kv_transfer_params=kv))
+                assert tokens_and_logprobs(direct) == reference["alone-5"][0]
+                routed = r.post("/v1/completions", completion(PROMPTS[9], 8))
+                assert tokens_and_logprobs(routed) == reference["alone-9"][0]
+                got = releases.wait([kv["remote_request_id"]], timeout_s=60)
+                assert got.get(kv["remote_request_id"]) == [CONSUMED], (got, d.tail())
+                deadline = time.monotonic() + 30
+                while len(releases.events) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert sorted(reason for _, _, reason in releases.events) == [CONSUMED] * 2, releases.events
+                assert releases.live_leases() == 0
+            finally:
+                releases.close()
+        finally:
+            for s in reversed(procs):
+                s.stop()
