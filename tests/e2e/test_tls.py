@@ -17,8 +17,8 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import layout_table, session, transfer_and_check
 
 
-def make_pki(d: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
-    """A CA and, per name, a certificate (CN = name, SAN = name and 127.0.0.1) with its key."""
+def make_pki(d: Path, names: list[str], ips: tuple[str, ...] = ()) -> dict[str, tuple[Path, Path]]:
+    """A CA and, per name, a certificate (CN = name, SAN = name, 127.0.0.1 and ips) with its key."""
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
@@ -26,7 +26,8 @@ def make_pki(d: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
         "-subj", "/CN=kvsvc-test-ca")
     out = {}
     for name in names:
-        (d / f"{name}.cnf").write_text(f"subjectAltName=IP:127.0.0.1,DNS:{name}\n"
+        sans = ",".join(f"IP:{ip}" for ip in ("127.0.0.1", *ips))
+        (d / f"{name}.cnf").write_text(f"subjectAltName={sans},DNS:{name}\n"
                                        "extendedKeyUsage=serverAuth,clientAuth\n")
         run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
