@@ -2,10 +2,12 @@
 
 A host is a process (its "init": `sleep infinity`) in namespaces of its own -- network
 (its own address on a bridge this harness made, in 198.18.0.0/15, the range RFC 2544 sets
-aside for benchmarking and no network routes), mount (a private /dev/shm and /tmp, so no
-shared memory segment or Unix socket is visible from another host, and a boot id of its
+aside for benchmarking and no network routes), mount (a private /dev/shm and temp dir, so
+no shared memory segment or Unix socket is visible from another host, and a boot id of its
 own, by which UCX tells machines apart) and UTS (its own hostname) -- and the commands run
-in it through nsenter. Only the addresses made here are ever dialled. Not simulated: RDMA
+in it through nsenter, with TMPDIR set to the host's temp dir. That dir is a tmpfs mounted,
+in each host, over one path made for the purpose (not over /tmp: the checkout running the
+tests may live under /tmp and must stay visible). Only the addresses made here are ever dialled. Not simulated: RDMA
 NICs, NIC and NUMA affinity, real link latency and loss (no tc netem in this kernel).
 
 Nothing outlives the harness: every process started in a host, and the init, get SIGKILL
@@ -26,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,10 +91,10 @@ def _free_subnet() -> str:
     raise RuntimeError(f"every {SUBNET}.k.0/24 is taken on this machine")
 
 
-def _launcher(pid: int) -> list[str]:
-    """Run a command in host `pid`'s namespaces; it dies with whoever started it."""
+def _launcher(pid: int, tmp: str) -> list[str]:
+    """Run a command in host `pid`'s namespaces, with its temp dir; it dies with whoever started it."""
     return ["nsenter", f"--target={pid}", "--net", "--mount", "--uts", "--",
-            "setpriv", "--pdeathsig", "KILL", "--"]
+            "setpriv", "--pdeathsig", "KILL", "--", "env", f"TMPDIR={tmp}"]
 
 
 @dataclass
@@ -100,12 +103,13 @@ class Host:
     address: str
     veth: str
     init: subprocess.Popen[str]
+    tmp: str  # this host's temp dir (TMPDIR of everything run on it)
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
     def launcher(self) -> list[str]:
         """Prefix for a command to run on this host (as kvsvc.cli.procs.start_server's launcher)."""
-        return _launcher(self.init.pid)
+        return _launcher(self.init.pid, self.tmp)
 
     def run(self, argv: Sequence[str], timeout_s: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.launcher, *argv], capture_output=True, text=True, timeout=timeout_s, check=check)
@@ -116,7 +120,7 @@ class Host:
         return p
 
     def write(self, path: str, text: str) -> str:
-        """Write a file at `path` as this host sees it (its /tmp is its own); returns path."""
+        """Write a file at `path` as this host sees it (its temp dir is its own); returns path."""
         with open(f"/proc/{self.init.pid}/root{path}", "w") as f:
             f.write(text)
         return path
@@ -142,7 +146,9 @@ class Hosts:
         self.pid = os.getpid()
         self.bridge = BRIDGE.format(pid=self.pid)
         self.hosts: list[Host] = []
+        self.tmp = f"{tempfile.gettempdir()}/kvsvc-hosts-{self.pid}"  # each host mounts its own tmpfs here
         try:
+            os.makedirs(self.tmp, mode=0o700, exist_ok=True)
             self.subnet = _free_subnet()
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
@@ -158,12 +164,12 @@ class Hosts:
         # A boot id of its own too: UCX tells hosts apart by it (same boot id: same machine,
         # and it would read across "hosts" with cma, which only one kernel can do).
         setup = ("mount --make-rprivate / && mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && "
-                 "mount -t tmpfs -o mode=1777 tmpfs /tmp && mkdir -m 0700 /tmp/.host && "
-                 "cat /proc/sys/kernel/random/uuid > /tmp/.host/boot_id && "
-                 "mount --bind /tmp/.host/boot_id /proc/sys/kernel/random/boot_id && "
+                 "mount -t tmpfs -o mode=0700 tmpfs \"$2\" && mkdir -m 0700 \"$2/.host\" && "
+                 "cat /proc/sys/kernel/random/uuid > \"$2/.host/boot_id\" && "
+                 "mount --bind \"$2/.host/boot_id\" /proc/sys/kernel/random/boot_id && "
                  "hostname \"$1\" && ip link set lo up && echo ready && exec sleep infinity")
         init = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", "unshare", "--net", "--mount", "--uts",
-                                 "sh", "-c", setup, "sh", f"kvsvc-{name}"],
+                                 "sh", "-c", setup, "sh", f"kvsvc-{name}", self.tmp],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert init.stdout is not None
         if init.stdout.readline().strip() != "ready":
@@ -171,7 +177,7 @@ class Hosts:
             raise RuntimeError(f"host {name} did not start: {init.stderr.read() if init.stderr else ''}")
         veth, inner = VETH.format(pid=self.pid, n=n), f"kvi{self.pid}h{n}"
         address = f"{self.subnet}.{n + 1}"
-        host = Host(name, address, veth, init)
+        host = Host(name, address, veth, init, self.tmp)
         try:
             _ip("link", "add", veth, "type", "veth", "peer", "name", inner)
             _ip("link", "set", inner, "netns", str(init.pid))
@@ -201,6 +207,8 @@ class Hosts:
             _wait_gone(h.veth)
         _ip("link", "del", self.bridge, check=False)
         self.hosts = []
+        with contextlib.suppress(OSError):
+            os.rmdir(self.tmp)
 
 
 def _stop(p: subprocess.Popen[str]) -> None:

@@ -1,8 +1,8 @@
 """kvsvc where P and D do not share a machine: servers on simulated hosts (tests/hosts/harness.py).
 
-Each host has its own network address, /dev/shm, /tmp and hostname, so nothing of the
+Each host has its own network address, /dev/shm, temp dir and hostname, so nothing of the
 same-host paths exists between P and D: UCX must move the bytes over the network, the lease
-calls cannot use P's Unix socket (its path is in another /tmp) and go over gRPC, and the
+calls cannot use P's Unix socket (its path is in another host's temp dir) and go over gRPC, and the
 engine fills and checks its pools through the host's own /dev/shm. Byte for byte, with
 every lease released CONSUMED and none left.
 """
@@ -74,7 +74,7 @@ async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_s
 
     layout = layout_table(k=4) | {"num_blocks": 64, "block_size": 1024}  # 64 MiB a side: reads take a while
     with hosts(2) as (a, b):
-        config = a.write("/tmp/p.toml", "[server]\nlease_ttl_s = 3\n")
+        config = a.write(f"{a.tmp}/p.toml", "[server]\nlease_ttl_s = 3\n")
         p = start_server(engine_id="hosts-p", role="prefill", tp_size=1, layout=layout, listen=f"{a.address}:0",
                          extra_env={"UCX_TLS": "tcp"}, global_args=["-v"], launcher=a.launcher,
                          config_file=config)

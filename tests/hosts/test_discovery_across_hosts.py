@@ -25,7 +25,7 @@ TTL_S = 2
 
 def start_etcd(host: Host) -> tuple[subprocess.Popen[str], str]:
     url = f"http://{host.address}:2379"
-    proc = host.popen(["etcd", "--name", "hosts", "--data-dir", "/tmp/etcd", "--listen-client-urls", url,
+    proc = host.popen(["etcd", "--name", "hosts", "--data-dir", f"{host.tmp}/etcd", "--listen-client-urls", url,
                        "--advertise-client-urls", url, "--listen-peer-urls", f"http://{host.address}:2380",
                        "--initial-advertise-peer-urls", f"http://{host.address}:2380",
                        "--initial-cluster", f"hosts=http://{host.address}:2380"],
@@ -57,11 +57,11 @@ async def test_etcd_on_its_own_host_and_transfers_that_outlive_its_loss():
         settings = f'[server]\netcd_endpoints = ["{etcd}"]\netcd_prefix = "{PREFIX}"\netcd_ttl_s = {TTL_S}\n'
         assert await _until(lambda: _healthy(etcd)), "etcd did not start"
         p = start_server(engine_id="hosts-p", role="prefill", tp_size=1, layout=layout, listen=f"{a.address}:0",
-                         launcher=a.launcher, config_file=a.write("/tmp/kvsvc.toml", settings))
+                         launcher=a.launcher, config_file=a.write(f"{a.tmp}/kvsvc.toml", settings))
         d = None
         try:
             d = start_server(engine_id="hosts-d", role="decode", tp_size=1, layout=layout, listen=f"{b.address}:0",
-                             launcher=b.launcher, config_file=b.write("/tmp/kvsvc.toml", settings))
+                             launcher=b.launcher, config_file=b.write(f"{b.tmp}/kvsvc.toml", settings))
             [rec] = await _until(lambda: _records(etcd, "hosts-p"))
             assert rec.address == p.address and rec.address.startswith(a.address + ":")
             async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:

@@ -18,9 +18,10 @@ def _ours(pid: int) -> list[str]:
 def test_hosts_are_apart_and_reach_each_other():
     with hosts(2) as (a, b):
         assert a.run(["hostname"]).stdout.strip() == "kvsvc-h0" != b.run(["hostname"]).stdout.strip()
-        a.run(["sh", "-c", "echo x > /dev/shm/mine && echo y > /tmp/mine"])
-        assert b.run(["sh", "-c", "ls /dev/shm /tmp"]).stdout.split() == ["/dev/shm:", "/tmp:"], "private"
-        assert not os.path.exists("/dev/shm/mine")
+        a.run(["sh", "-c", f"echo x > /dev/shm/mine && echo y > {a.tmp}/mine"])
+        assert b.run(["sh", "-c", f"ls /dev/shm {b.tmp}"]).stdout.split() == ["/dev/shm:", f"{b.tmp}:"], "private"
+        assert not os.path.exists("/dev/shm/mine") and not os.path.exists(f"{a.tmp}/mine")
+        assert a.run(["sh", "-c", "echo $TMPDIR"]).stdout.strip() == a.tmp
         reach = [sys.executable, "-c", "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)"]
         server = b.popen([sys.executable, "-c", "import socket; s=socket.create_server(('0.0.0.0', 7777)); "
                                                 "print('up', flush=True); s.accept()"], stdout=subprocess.PIPE)

@@ -22,11 +22,12 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs o
 
 
 def config_on(host: Host, name: str, allowed: list[str]) -> str:
-    """The server's config on its host, pointing at the PKI copied to the host's /tmp/pki."""
+    """The server's config on its host, pointing at the PKI copied to the host's temp dir."""
     allowed_toml = ", ".join(f'"{a}"' for a in allowed)
-    return host.write(f"/tmp/{name}.toml", f'[server]\ntls_cert_file = "/tmp/pki/{name}.pem"\n'
-                      f'tls_key_file = "/tmp/pki/{name}.key"\ntls_client_ca_file = "/tmp/pki/ca.pem"\n'
-                      f'peer_tls_ca_file = "/tmp/pki/ca.pem"\nallowed_peers = [{allowed_toml}]\n'
+    pki = f"{host.tmp}/pki"
+    return host.write(f"{host.tmp}/{name}.toml", f'[server]\ntls_cert_file = "{pki}/{name}.pem"\n'
+                      f'tls_key_file = "{pki}/{name}.key"\ntls_client_ca_file = "{pki}/ca.pem"\n'
+                      f'peer_tls_ca_file = "{pki}/ca.pem"\nallowed_peers = [{allowed_toml}]\n'
                       'metrics_listen = "0.0.0.0:9400"\n')
 
 
@@ -35,7 +36,7 @@ async def test_mtls_between_hosts_and_an_impostor_on_a_third(tmp_path: Path):
     with hosts(3) as (a, b, c):
         certs = make_pki(tmp_path, ["tls-p", "tls-d", "intruder"], ips=(a.address, b.address, c.address))
         for h in (a, b, c):
-            shutil.copytree(tmp_path, f"/proc/{h.init.pid}/root/tmp/pki",
+            shutil.copytree(tmp_path, f"/proc/{h.init.pid}/root{h.tmp}/pki",
                             ignore=shutil.ignore_patterns("*.csr", "*.cnf", "ca.key", "*.srl"))
         procs = []
         try:

@@ -1,6 +1,6 @@
 """vLLM across hosts: a P engine on host a, a D engine on host b, kvsvc's router on host c.
 
-Hosts are simulated (tests/hosts/harness.py: own address, /dev/shm, /tmp, hostname, boot
+Hosts are simulated (tests/hosts/harness.py: own address, /dev/shm, temp dir, hostname, boot
 id), so the KV moves over UCX on the network and every call crosses hosts; the embedded
 kvsvc servers listen on and advertise their host's address (`listen_host`). Answers equal
 the aggregated run's; P releases each request CONSUMED and holds no lease after.
@@ -39,10 +39,10 @@ def serve_on(host: Host, name: str, model_dir: str, connector: dict, logs) -> Se
 
 def test_p_d_and_router_on_three_hosts_equal_the_aggregated_run(engines, reference, tmp_path):
     with hosts(3) as (a, b, c):
-        for h in (a, b):  # each host has its own /tmp: the model is copied onto it
-            shutil.copytree(engines.model, f"/proc/{h.init.pid}/root/tmp/model")
-        p = serve_on(a, "hosts-p", "/tmp/model", kvsvc("kv_producer", listen_host=a.address), tmp_path)
-        d = serve_on(b, "hosts-d", "/tmp/model", kvsvc("kv_consumer", listen_host=b.address), tmp_path)
+        for h in (a, b):  # each host has its own temp dir: the model is copied there
+            shutil.copytree(engines.model, f"/proc/{h.init.pid}/root{h.tmp}/model")
+        p = serve_on(a, "hosts-p", f"{a.tmp}/model", kvsvc("kv_producer", listen_host=a.address), tmp_path)
+        d = serve_on(b, "hosts-d", f"{b.tmp}/model", kvsvc("kv_consumer", listen_host=b.address), tmp_path)
         procs = [p, d]
         try:
             p.wait_ready()
