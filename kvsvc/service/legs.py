@@ -31,7 +31,7 @@ HEARTBEAT_MIN_INTERVAL_S = 0.05
 
 # A claim for params with lease_pending that finds no lease yet asks again, from every 5 ms
 # to every 100 ms, for at most this long (and never past its own timeout): P's workers lease
-# the blocks from the step after the one that finished the request.
+# the blocks in the step that finishes the request or, failing that, the next one.
 PENDING_LEASE_WAIT_S = 30.0
 PENDING_RETRY_FIRST_S = 0.005
 PENDING_RETRY_MAX_S = 0.1
@@ -181,20 +181,22 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
             dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest)
         first_try = time.monotonic()
+        deadline = first_try + timeout_s  # one for every try: waiting for a lease adds no time
         give_up_at = first_try + (min(timeout_s, PENDING_LEASE_WAIT_S) if p.lease_pending else 0.0)
         pause = PENDING_RETRY_FIRST_S
         while True:
             leg.claim = ClaimState.SENT
             try:
                 resp = await leg.peer.lease_calls.claim_lease(
-                    req, timeout_s=max(0.05, timeout_s), traceparent=own.traceparent)
+                    req, timeout_s=max(0.05, deadline - time.monotonic()), traceparent=own.traceparent)
                 if pause > PENDING_RETRY_FIRST_S * 16:  # waited ~80 ms or more: say how long P took
                     log.info("claim of %s waited %.0f ms for %s to make its lease", p.remote_request_id,
                              1e3 * (time.monotonic() - first_try), leg.peer.address)
                 break
             except KvsvcError as e:
                 # Params handed out before P leased the blocks: the lease is on its way (P's
-                # workers make it from their next step). Ask again, less often as time goes.
+                # workers make it in the step that ends the request or the next). Ask again,
+                # less often as time goes.
                 if not lease_not_yet_made(e) or time.monotonic() + pause > give_up_at:
                     raise
             leg.claim = ClaimState.REFUSED
