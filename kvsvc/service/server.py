@@ -212,6 +212,8 @@ def _add_gauges(running: RunningServer) -> None:
             lambda: node.leases.claimed_count)
     m.gauge("kvsvc_peers", "P servers this D server has handshaken with", lambda: decoder.peers.cached)
     m.gauge("kvsvc_running_transfers", "Transfers running on this D server", lambda: decoder.jobs.running)
+    m.gauge("kvsvc_nixl_remote_agents", "Remote NIXL agents loaded here (peers' ranks, on every copy lane)",
+            lambda: node.data.remote_agents if node.data is not None else 0)
 
 
 def _mark_down(health_servicer: health.aio.HealthServicer, node: Node) -> None:

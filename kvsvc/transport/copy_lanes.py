@@ -69,6 +69,11 @@ class CopyLanes:
     def count(self) -> int:
         return len(self._threads)
 
+    @property
+    def loaded(self) -> int:
+        """Remote agents loaded into lane agents (one per lane, rank and remote)."""
+        return len(self._loaded)
+
     async def start(self, api: Any, pools: Mapping[int, Pool], backends: list[str]) -> None:
         """Start the lanes and make their agents on the DRAM pools (ranks in VRAM get none)."""
         dram = {rank: pool for rank, pool in sorted(pools.items()) if pool.memory_kind == "DRAM"}

@@ -129,6 +129,12 @@ class NixlDataPlane:
         return f"{self._engine_id}/{self._epoch:x}/r{rank}"
 
     @property
+    def remote_agents(self) -> int:
+        """Remote agents loaded into this process's agents (copy lanes included): what a
+        peer that went away would leave behind if it were never forgotten."""
+        return len(self._remotes) + self._lanes.loaded
+
+    @property
     def copy_threads(self) -> int:
         """Copy lanes long DRAM READs are split across (see copy_lanes.py)."""
         return self._lanes.count

@@ -81,6 +81,7 @@ async def test_metrics_after_transfers_and_failures(tmp_path):
         assert calls["claim"] == calls["confirm"], calls
         assert value(ds, "kvsvc_handshakes_total", engine="m-d", peer_engine="m-p", outcome="ok") == 1
         assert value(ds, "kvsvc_peers", engine="m-d") == 1
+        assert value(ds, "kvsvc_nixl_remote_agents", engine="m-d") >= 1  # P's rank, on D's agent and lanes
         assert value(ds, "kvsvc_running_transfers", engine="m-d") == 0
 
         ps = scrape(metrics_url(p))

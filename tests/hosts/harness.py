@@ -102,14 +102,20 @@ class Host:
     name: str
     address: str
     veth: str
-    init: subprocess.Popen[str]
+    bridge: str
     tmp: str  # this host's temp dir (TMPDIR of everything run on it)
+    init: subprocess.Popen[str] | None = None
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        assert self.init is not None, f"host {self.name} is not running"
+        return self.init.pid
 
     @property
     def launcher(self) -> list[str]:
         """Prefix for a command to run on this host (as kvsvc.cli.procs.start_server's launcher)."""
-        return _launcher(self.init.pid, self.tmp)
+        return _launcher(self.pid, self.tmp)
 
     def run(self, argv: Sequence[str], timeout_s: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.launcher, *argv], capture_output=True, text=True, timeout=timeout_s, check=check)
@@ -121,18 +127,103 @@ class Host:
 
     def write(self, path: str, text: str) -> str:
         """Write a file at `path` as this host sees it (its temp dir is its own); returns path."""
-        with open(f"/proc/{self.init.pid}/root{path}", "w") as f:
+        with open(f"/proc/{self.pid}/root{path}", "w") as f:
             f.write(text)
         return path
 
     @property
     def shm_dir(self) -> str:
         """This host's /dev/shm as seen from outside it (to map a server's pools)."""
-        return f"/proc/{self.init.pid}/root/dev/shm"
+        return f"/proc/{self.pid}/root/dev/shm"
 
     def link(self, up: bool) -> None:
         """Plug or unplug this host's cable (its bridge-side veth): a network partition."""
         _ip("link", "set", self.veth, "up" if up else "down")
+
+    def connections(self, pid: int | None = None) -> set[tuple[str, str]]:
+        """Established TCP connections on this host as (local, peer) "ip:port" pairs, of
+        process `pid` only when given (from ss, run on the host)."""
+        argv = ["ss", "-tnH", *(["-p"] if pid is not None else []), "state", "established"]
+        pairs = set()
+        for line in self.run(argv).stdout.splitlines():
+            cols = line.split()
+            if len(cols) < 4 or (pid is not None and f"pid={pid}," not in line):
+                continue
+            pairs.add((_plain(cols[2]), _plain(cols[3])))
+        return pairs
+
+    def boot(self) -> None:
+        """Start the host: its init in new namespaces, its cable plugged into the bridge."""
+        # A boot id of its own too: UCX tells hosts apart by it (same boot id: same machine,
+        # and it would read across "hosts" with cma, which only one kernel can do).
+        setup = ("mount --make-rprivate / && mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && "
+                 "mount -t tmpfs -o mode=0700 tmpfs \"$2\" && mkdir -m 0700 \"$2/.host\" && "
+                 "cat /proc/sys/kernel/random/uuid > \"$2/.host/boot_id\" && "
+                 "mount --bind \"$2/.host/boot_id\" /proc/sys/kernel/random/boot_id && "
+                 "hostname \"$1\" && ip link set lo up && echo ready && exec sleep infinity")
+        init = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", "unshare", "--net", "--mount", "--uts",
+                                 "sh", "-c", setup, "sh", f"kvsvc-{self.name}", self.tmp],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert init.stdout is not None
+        if init.stdout.readline().strip() != "ready":
+            init.kill()
+            raise RuntimeError(f"host {self.name} did not start: {init.stderr.read() if init.stderr else ''}")
+        self.init = init
+        inner = self.veth.replace("kvv", "kvi", 1)
+        try:
+            _ip("link", "add", self.veth, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", str(init.pid))
+            _ip("link", "set", self.veth, "master", self.bridge, "up")
+            # The NIC's MAC follows from the address, so a host that reboots keeps it, as a
+            # machine does (a new one would leave its neighbours' ARP caches pointing at the
+            # old card for many seconds).
+            mac = "02:00:" + ":".join(f"{int(x):02x}" for x in self.address.split("."))
+            for cmd in (["link", "set", inner, "name", "eth0"], ["link", "set", "eth0", "address", mac],
+                        ["addr", "add", f"{self.address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"]):
+                self.run(["ip", *cmd])
+        except BaseException:
+            self.halt()
+            raise
+
+    def halt(self) -> None:
+        """Kill everything on the host, whoever started it (its namespaces, /dev/shm and temp
+        dir go with the last process; the cable with the network namespace)."""
+        if self.init is None:
+            return
+        ns = os.readlink(f"/proc/{self.init.pid}/ns/net")
+        for p in self.procs:
+            _stop(p)
+        for pid in _pids_in(ns):  # processes started by others (a server through the launcher)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _stop(self.init)
+        deadline = time.monotonic() + 10
+        while _pids_in(ns) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _wait_gone(self.veth)
+        self.init, self.procs = None, []
+
+    def reboot(self) -> None:
+        """Power-cycle: everything on it killed, its memory gone; the same name, address and
+        cable come back (a new boot id: to UCX, a new machine run)."""
+        self.halt()
+        self.boot()
+
+
+def _plain(endpoint: str) -> str:
+    """ss's "[::ffff:1.2.3.4]:80" (an IPv4 peer of an IPv6 socket) as "1.2.3.4:80"."""
+    return endpoint.replace("[::ffff:", "").replace("]", "")
+
+
+def _pids_in(net_ns: str) -> list[int]:
+    """Processes in the network namespace named by `net_ns` (a readlink of /proc/PID/ns/net)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/ns/net") == net_ns:
+                    pids.append(int(entry))
+    return pids
 
 
 class Hosts:
@@ -154,41 +245,12 @@ class Hosts:
             _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for n in range(count):
-                self.hosts.append(self._make(n))
+                host = Host(f"h{n}", f"{self.subnet}.{n + 1}", VETH.format(pid=self.pid, n=n), self.bridge, self.tmp)
+                host.boot()
+                self.hosts.append(host)
         except BaseException:
             self.close()
             raise
-
-    def _make(self, n: int) -> Host:
-        name = f"h{n}"
-        # A boot id of its own too: UCX tells hosts apart by it (same boot id: same machine,
-        # and it would read across "hosts" with cma, which only one kernel can do).
-        setup = ("mount --make-rprivate / && mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && "
-                 "mount -t tmpfs -o mode=0700 tmpfs \"$2\" && mkdir -m 0700 \"$2/.host\" && "
-                 "cat /proc/sys/kernel/random/uuid > \"$2/.host/boot_id\" && "
-                 "mount --bind \"$2/.host/boot_id\" /proc/sys/kernel/random/boot_id && "
-                 "hostname \"$1\" && ip link set lo up && echo ready && exec sleep infinity")
-        init = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", "unshare", "--net", "--mount", "--uts",
-                                 "sh", "-c", setup, "sh", f"kvsvc-{name}", self.tmp],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert init.stdout is not None
-        if init.stdout.readline().strip() != "ready":
-            init.kill()
-            raise RuntimeError(f"host {name} did not start: {init.stderr.read() if init.stderr else ''}")
-        veth, inner = VETH.format(pid=self.pid, n=n), f"kvi{self.pid}h{n}"
-        address = f"{self.subnet}.{n + 1}"
-        host = Host(name, address, veth, init, self.tmp)
-        try:
-            _ip("link", "add", veth, "type", "veth", "peer", "name", inner)
-            _ip("link", "set", inner, "netns", str(init.pid))
-            _ip("link", "set", veth, "master", self.bridge, "up")
-            for cmd in (["link", "set", inner, "name", "eth0"], ["addr", "add", f"{address}/24", "dev", "eth0"],
-                        ["link", "set", "eth0", "up"]):
-                host.run(["ip", *cmd])
-        except BaseException:
-            _stop(init)
-            raise
-        return host
 
     def __enter__(self) -> list[Host]:
         return self.hosts
@@ -197,14 +259,10 @@ class Hosts:
         self.close()
 
     def close(self) -> None:
-        """Kill everything on every host, then the hosts (their namespaces and veths go with
-        their last process), then the bridge."""
+        """Kill everything on every host (their namespaces and veths go with their last
+        process), then the bridge."""
         for h in self.hosts:
-            for p in h.procs:
-                _stop(p)
-            _stop(h.init)
-        for h in self.hosts:
-            _wait_gone(h.veth)
+            h.halt()
         _ip("link", "del", self.bridge, check=False)
         self.hosts = []
         with contextlib.suppress(OSError):
@@ -242,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     count = int((argv or sys.argv[1:] or ["2"])[0])
     with hosts(count) as made:
         for h in made:
-            print(f"{h.name}: {h.address} (init pid {h.init.pid}): {' '.join(h.launcher)} <command>")
+            print(f"{h.name}: {h.address} (init pid {h.pid}): {' '.join(h.launcher)} <command>")
         print("press Enter to tear them down", flush=True)
         with contextlib.suppress(EOFError):
             input()

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvsvc.cli.procs import ServerProcess, start_server
+from kvsvc.client import AsyncClient
+from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import layout_table, session, transfer_and_check
 from tests.hosts.harness import Host, hosts
 
@@ -149,3 +151,98 @@ async def test_a_p_engine_over_two_hosts_feeds_a_d_on_a_third():
             for sp in (d, p0, p1):
                 if sp is not None:
                     sp.stop()
+
+
+def _gauge(url: str, name: str) -> float:
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} not in {url}"
+    return float(m.group(1))
+
+
+async def test_p_host_rebooted_is_read_from_again_at_once_and_nothing_of_the_old_p_stays_in_d():
+    """P's host power-cycled (everything on it killed, its /dev/shm gone, a new boot id) and
+    P served again at the same address: D, untouched on its own host, makes its first
+    successful transfer from the new P within 2 s of it serving, and holds nothing of the
+    old P -- its NIXL agents forgotten (kvsvc_nixl_remote_agents as before the reboot) and
+    no TCP connection to P's host that the new P does not also have (none half-open to the
+    old run)."""
+    import asyncio
+    import time
+
+    layout = layout_table(k=4)
+    with hosts(2) as (a, b):
+        metrics = f"{b.address}:9400"
+        d_config = b.write(f"{b.tmp}/d.toml", f'[server]\nmetrics_listen = "{metrics}"\n')
+        p = start_server(engine_id="hosts-p", role="prefill", tp_size=1, layout=layout, listen=f"{a.address}:0",
+                         global_args=["-v"], launcher=a.launcher)
+        d = start_server(engine_id="hosts-d", role="decode", tp_size=1, layout=layout, listen=f"{b.address}:0",
+                         global_args=["-v"], launcher=b.launcher, config_file=d_config)
+        try:
+            async with AsyncClient(d.address) as dc:
+                async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
+                    await transfer_and_check(s, "before", [[1, 2]], [[3, 4]])
+                agents = _gauge(f"http://{metrics}/metrics", "kvsvc_nixl_remote_agents")
+                assert agents >= 1
+                a.reboot()
+                assert p.stop() != 0, "P died with its host"
+                p = start_server(engine_id="hosts-p", role="prefill", tp_size=1, layout=layout, listen=p.address,
+                                 global_args=["-v"], launcher=a.launcher)
+                serving = time.monotonic()
+                async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
+                    await transfer_and_check(s, "after", [[5, 6, 7]], [[8, 9, 10]])
+                    took = time.monotonic() - serving
+                    assert took < 2.0, f"D's first transfer from the new P took {took:.2f} s"
+                    peers = (await dc.list_leases()).peers
+                    assert [(x.address, x.epoch) for x in peers] == [(p.address, (await s.pc.get_info()).epoch)]
+                # Nothing of the old P: its agents forgotten, no connection to it left.
+                deadline = time.monotonic() + 10
+                while _gauge(f"http://{metrics}/metrics", "kvsvc_nixl_remote_agents") != agents and \
+                        time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert _gauge(f"http://{metrics}/metrics", "kvsvc_nixl_remote_agents") == agents
+                deadline = time.monotonic() + 10
+                while True:
+                    on_p = a.connections()
+                    to_p = {(mine, theirs) for mine, theirs in b.connections(d.proc.pid)
+                            if theirs.startswith(a.address + ":")}
+                    stale = {(mine, theirs) for mine, theirs in to_p if (theirs, mine) not in on_p}
+                    if not stale or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+                assert to_p, "D's connections to P are seen"
+                assert not stale, f"D keeps connections to the old P: {stale}"
+        finally:
+            d.stop()
+            p.stop()
+
+
+async def test_dcp_sharded_mla_across_hosts():
+    """P (TP 2, DCP 2: each rank keeps every other block) on one host, D (TP 1, no DCP) on
+    another: D gathers the request's blocks from both of P's ranks over the network."""
+    from tests.e2e.test_dcp import TOKENS, layout, positions
+
+    with hosts(2) as (a, b):
+        p = start_server(engine_id="hosts-p", role="prefill", tp_size=2, layout=layout(2), listen=f"{a.address}:0",
+                         global_args=["-v"], launcher=a.launcher)
+        try:
+            d = start_server(engine_id="hosts-d", role="decode", tp_size=1, layout=layout(1),
+                             listen=f"{b.address}:0", global_args=["-v"], launcher=b.launcher)
+            try:
+                async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
+                    p_ids = [[31 - i for i in range(positions(2))]]
+                    d_ids = [[2 * i + 1 for i in range(positions(1))]]
+                    s.pe.fill(p_ids)
+                    pub = await s.pc.publish_blocks("dcp", p_ids, num_tokens=TOKENS)
+                    await s.dc.transfer("d-dcp", pub.params, d_ids, timeout_s=60)
+                    assert not s.de.check(d_ids, [0], num_tokens=TOKENS), s.de.check(d_ids, [0], num_tokens=TOKENS)
+                    events = await s.watch.wait_for("dcp")
+                    assert [e.reason for e in events] == [pb.RELEASE_REASON_CONSUMED], events
+            finally:
+                assert d.stop() == 0
+        finally:
+            assert p.stop() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -39,7 +40,7 @@ def test_nothing_outlives_a_harness_that_is_killed():
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom tests.hosts.harness import hosts\n"
          "with hosts(2) as hs:\n    hs[0].popen(['sleep', '600'])\n"
-         "    print(' '.join(str(h.init.pid) for h in hs), flush=True)\n    time.sleep(600)\n"],
+         "    print(' '.join(str(h.pid) for h in hs), flush=True)\n    time.sleep(600)\n"],
         stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     assert child.stdout is not None
     inits = [int(p) for p in child.stdout.readline().split()]
@@ -63,3 +64,22 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_rebooted_host_keeps_its_address_and_loses_everything_else():
+    """reboot(): every process on the host dies (those started through its launcher by
+    someone else too), its /dev/shm and temp dir come back empty, its boot id is new, and
+    it answers at the same address."""
+    with hosts(2) as (a, b):
+        outsider = subprocess.Popen([*a.launcher, "sleep", "600"])  # not in a.procs
+        a.run(["sh", "-c", f"echo x > /dev/shm/mine && echo y > {a.tmp}/mine"])
+        boot_id = a.run(["cat", "/proc/sys/kernel/random/boot_id"]).stdout
+        a.reboot()
+        assert outsider.wait(10) == -signal.SIGKILL
+        assert a.run(["sh", "-c", f"ls /dev/shm {a.tmp}"]).stdout.split() == ["/dev/shm:", f"{a.tmp}:"]
+        assert a.run(["cat", "/proc/sys/kernel/random/boot_id"]).stdout != boot_id
+        # Reachable: a closed port answers "connection refused" (an unplugged host would not answer).
+        knock = [sys.executable, "-c", "import socket,sys; s=socket.socket(); s.settimeout(5); "
+                 "print(s.connect_ex((sys.argv[1], 9)))", a.address]
+        assert b.run(knock).stdout.strip() == str(errno.ECONNREFUSED)
+    assert not _ours(os.getpid())

@@ -36,7 +36,7 @@ async def test_mtls_between_hosts_and_an_impostor_on_a_third(tmp_path: Path):
     with hosts(3) as (a, b, c):
         certs = make_pki(tmp_path, ["tls-p", "tls-d", "intruder"], ips=(a.address, b.address, c.address))
         for h in (a, b, c):
-            shutil.copytree(tmp_path, f"/proc/{h.init.pid}/root{h.tmp}/pki",
+            shutil.copytree(tmp_path, f"/proc/{h.pid}/root{h.tmp}/pki",
                             ignore=shutil.ignore_patterns("*.csr", "*.cnf", "ca.key", "*.srl"))
         procs = []
         try:

@@ -40,7 +40,7 @@ def serve_on(host: Host, name: str, model_dir: str, connector: dict, logs) -> Se
 def test_p_d_and_router_on_three_hosts_equal_the_aggregated_run(engines, reference, tmp_path):
     with hosts(3) as (a, b, c):
         for h in (a, b):  # each host has its own temp dir: the model is copied there
-            shutil.copytree(engines.model, f"/proc/{h.init.pid}/root{h.tmp}/model")
+            shutil.copytree(engines.model, f"/proc/{h.pid}/root{h.tmp}/model")
         p = serve_on(a, "hosts-p", f"{a.tmp}/model", kvsvc("kv_producer", listen_host=a.address), tmp_path)
         d = serve_on(b, "hosts-d", f"{b.tmp}/model", kvsvc("kv_consumer", listen_host=b.address), tmp_path)
         procs = [p, d]
