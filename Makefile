@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-vllm clean node
+.PHONY: etcd rdma-libs venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -97,6 +97,10 @@ proto-baseline: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvsvc bench --json bench/results.json
+
+# P and D on two simulated hosts (network namespaces; needs root): kvsvc vs raw NIXL over the link.
+bench-hosts: $(STAMP)
+	$(BIN)/python -m bench.hosts --json bench/hosts.json
 
 # The same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector, side by side.
 bench-vllm: $(VLLM_STAMP)

@@ -42,7 +42,7 @@ def print_report(res: dict[str, Any]) -> None:
           f"({res.get('transfer_carrier') or '?'} carrier: 'stream' above), "
           f"{_f(res.get('overhead_p50_ms_grpc_stream'), '.3f')} ms on it over gRPC, "
           f"{_f(res.get('overhead_p50_ms_unary'), '.3f')} ms with unary calls; a bare gRPC round trip here: "
-          f"{res['grpc_round_trip_p50_ms']:.3f} ms")
+          f"{res['grpc_round_trip_p50_ms']:.3f} ms to D, {_f(res.get('grpc_round_trip_p50_ms_prefill'), '.3f')} ms to P")
     print(f"cold vs warm ({cold['blocks']} blocks into D blocks never written, then again): wire p50 "
           f"{cold['cold_wire_p50_ms']:.3f} vs {cold['warm_wire_p50_ms']:.3f} ms = {cold['cold_over_warm']:.2f}x")
     for k in ("shuffled", "contiguous"):

@@ -41,6 +41,7 @@ from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.attach import AttachedPool, attach_pool
 from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.codec import layout_from_proto
+from kvsvc.errors import KvsvcError
 from kvsvc.layout.build import simple_layout
 from kvsvc.layout.regions import build_pool_layout
 from kvsvc.mapping.planner import Side, plan_rank
@@ -109,6 +110,10 @@ def _attach(info: pb.GetInfoResponse) -> AttachedPool | None:
         return attach_pool(pool)
     except (OSError, ValueError, RuntimeError):  # RuntimeError: CUDA IPC refused (another host, no device)
         return None
+    except KvsvcError as e:
+        if e.reason == "POOL_NOT_FOUND":  # shared memory of a server on another host
+            return None
+        raise
 
 
 @contextlib.asynccontextmanager
@@ -201,7 +206,15 @@ async def size_point(t: Target, raw: RawNixl | None, n: int, pattern: str, p_ids
     row["kvsvc_transfer_gbps"] = gbps(ks.nbytes, med(ks.transfer))
     row["kvsvc_wire_gbps"] = gbps(ks.nbytes, med(ks.wire))
     if raw is not None:
-        times, raw_bytes = raw.run(p_ids, d_ids, runs)
+        # Under a lease, as an engine reading P with its own NIXL would (PlanTransfer after
+        # PublishBlocks): P progresses UCX while a lease lives, which a READ over TCP needs.
+        held = await t.pc.publish_blocks(f"raw-{pattern}-{n}", [p_ids], lease_ttl_ms=300_000)
+        try:
+            times, raw_bytes = raw.run(p_ids, d_ids, runs)
+        finally:
+            await t.pc.notify(pb.NotifyRequest(request_id=held.params.remote_request_id, kind=pb.NOTIFY_KIND_ABORTED,
+                                               lease_epoch=held.params.remote_epoch,
+                                               lease_token=held.params.lease_token, withdraw=True))
         row.update(raw_nixl_ms=1e3 * med(times), raw_nixl_gbps=gbps(raw_bytes, med(times)), raw_nixl_bytes=raw_bytes)
     mem = memcpy_runs(ks.nbytes, runs, memory)
     row.update(memcpy_ms=1e3 * med(mem), memcpy_gbps=gbps(ks.nbytes, med(mem)))
@@ -293,7 +306,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # as the run, and a full collection of it would stall the transfers in flight.
         gc.collect()
         gc.freeze()
-        progress = Progress(2 * len(sizes) + 1 + 2 * len(concurrency) + 2, args.quiet)
+        progress = Progress(2 * len(sizes) + 1 + len(APIS) * len(concurrency) + 2, args.quiet)
         rng = np.random.default_rng(1)
         if t.p_pool is not None:
             fill_random(t.p_pool, rng)
@@ -336,7 +349,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               f"{row['transfer_p99_ms']:.2f} ms")
         carrier = t.xfer.carrier  # what the engine-style stream ran on
         rtt = await rpc_round_trips(t.dc, 200)
-        progress.step(f"gRPC round trip p50 {ms(rtt, 50):.3f} ms")
+        # To P as well: where P is on another host, the round trip of the link D reads over.
+        rtt_p = await rpc_round_trips(t.pc, 200)
+        progress.step(f"gRPC round trip p50 {ms(rtt, 50):.3f} ms (to P: {ms(rtt_p, 50):.3f} ms)")
         d_transport = (await t.dc.get_info()).transport
         transports = list(d_transport.ucx_transports)
         idle: dict[str, float] = {}
@@ -346,6 +361,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.step("idle CPU")
     res = summarise(points, cold, conc, ms(rtt, 50), transports, idle, raw_error, args, carrier)
     res["decode_copy_threads"] = d_transport.copy_threads
+    res["grpc_round_trip_p50_ms_prefill"] = ms(rtt_p, 50)
     return res
 
 

@@ -159,10 +159,11 @@ class LeaseTable:
     tp_size: int
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
-    # +1 when a lease becomes claimed while its readers may still read (the data plane keeps
-    # progressing), -1 when such a lease is released; a lease claimed and consumed in one
-    # step (its READs were over) is neither.
-    on_claim_change: Callable[[int], None] = lambda delta: None
+    # +1 when the first lease goes live, -1 when the last one is released: while any lease
+    # lives a D may be reading it (read first, claim after), and where UCX emulates a READ
+    # with messages (TCP between hosts, no RDMA) the bytes move only as often as this side
+    # progresses UCX, so the data plane's pump runs while this says so.
+    on_live_change: Callable[[int], None] = lambda delta: None
     on_release: Callable[[LeaseState], None] = lambda reason: None
     max_live: int = 65_536
     dcp_size: int = 1
@@ -255,6 +256,8 @@ class LeaseTable:
         lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
                       digest=blocks_digest(blocks, num_tokens))
         self._live[request_id] = lease
+        if len(self._live) == 1:
+            self.on_live_change(+1)
         self._hold(blocks, +1)
         self._schedule(lease)
         return lease
@@ -299,26 +302,18 @@ class LeaseTable:
         that the lease was never released while they read. digest (blocks_digest of the
         params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
         """
-        prior = self._live.get(request_id)
-        was_claimed = prior is not None and prior.state is LeaseState.CLAIMED
         lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
                             d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
-                            digest=digest, announce=not consumed)
+                            digest=digest)
         if consumed:
             assert lease.tracker is not None
             lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
-            if lease.tracker.done:
-                # Claimed and consumed in one step: its READs are over, so nobody reads
-                # while it is claimed, and on_claim_change (the data plane's pump) hears of
-                # neither edge.
-                self._release(lease, LeaseState.CONSUMED, claim_announced=was_claimed)
-            elif not was_claimed:
-                self.on_claim_change(+1)  # other D ranks still read
+            if lease.tracker.done:  # claimed and consumed in one step: its READs are over
+                self._release(lease, LeaseState.CONSUMED)
         return lease
 
     def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
-               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes,
-               announce: bool = True) -> Lease:
+               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes) -> Lease:
         lease = self._live_lease(request_id, epoch)
         _check_token(lease, token)
         if digest and not secrets.compare_digest(digest, lease.digest):
@@ -362,8 +357,6 @@ class LeaseTable:
             self._claimed += 1
             self._claims_of[d_engine_id] = self._claims_of.get(d_engine_id, 0) + 1
             self._no_claims.clear()
-            if announce:
-                self.on_claim_change(+1)
         self._extend(lease, extend_s)
         return lease
 
@@ -488,7 +481,7 @@ class LeaseTable:
         if self._heap[0] is entry:  # due before the reaper's next wake-up: wake it (else it
             self._wake.set()        # sleeps on; two wake-ups a transfer were ~10 % of P's CPU)
 
-    def _release(self, lease: Lease, reason: LeaseState, announce: bool = True, claim_announced: bool = True) -> None:
+    def _release(self, lease: Lease, reason: LeaseState, announce: bool = True) -> None:
         if lease.state.released:
             return
         if lease.state is LeaseState.CLAIMED:
@@ -498,11 +491,10 @@ class LeaseTable:
                 self._claims_of[lease.d_engine_id] = left
             if not self._claimed:
                 self._no_claims.set()
-            if claim_announced:
-                self.on_claim_change(-1)
         lease.state = reason
         lease.released_unix_ms = _unix_ms()
-        self._live.pop(lease.request_id, None)
+        if self._live.pop(lease.request_id, None) is not None and not self._live:
+            self.on_live_change(-1)
         self._hold(lease.block_ids, -1)
         # A tombstone keeps the final state only: block lists of released leases would
         # otherwise pile up (a 100k-entry history of long requests is gigabytes).

@@ -3,7 +3,7 @@
 NIXL is not thread-safe, and with its own progress thread off (twice the bandwidth on
 small machines) someone must drive progress. Both jobs live here: the thread executes
 queued calls and, while its own transfers are in flight, polls them with short sleeps
-that grow to INFLIGHT_MAX_SLEEP_S; while only peers may be reading (a claimed lease), it
+that grow to INFLIGHT_MAX_SLEEP_S; while only peers may be reading (a live lease), it
 progresses its agents every PROGRESS_MAX_SLEEP_S. With neither it blocks on its queue,
 waking once every IDLE_BEAT_S after peers connected (UCX needs that much, see there).
 Results reach asyncio as futures resolved with call_soon_threadsafe; nothing polls on
@@ -201,7 +201,7 @@ class NixlThread:
         self._submit((self._set_progress, (agents, notif_sink), None, None))
 
     def need_progress(self, delta: int) -> None:
-        """+1 while a peer may be reading (a claimed lease), -1 when that ends."""
+        """+1 while a peer may be reading (a live lease, a handshake), -1 when that ends."""
         self._submit((self._adjust_progress, (delta,), None, None))
 
     def beat_when_idle(self) -> None:

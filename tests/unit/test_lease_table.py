@@ -12,10 +12,10 @@ from kvsvc.leases.table import LeaseState, LeaseTable, NotifyKind, SubscriberBeh
 
 @pytest.fixture
 async def table():
-    claims: list[int] = []
+    edges: list[int] = []  # on_live_change: the data plane's pump runs while a lease lives
     t = LeaseTable(epoch=7, hosted_ranks=[0, 1], tp_size=2, default_ttl_s=5.0, max_ttl_s=60.0,
-                   on_claim_change=claims.append)
-    t.claims = claims  # type: ignore[attr-defined]
+                   on_live_change=edges.append)
+    t.claims = edges  # type: ignore[attr-defined]
     t.start()
     yield t
     await t.close()
@@ -216,13 +216,25 @@ async def test_a_consumed_claim_releases_in_one_step(table):
     lease = claim_consumed(table, "r")
     assert lease.state is LeaseState.CONSUMED and table.get("r") is None
     assert (await watcher)[0].reason is LeaseState.CONSUMED
-    # Its READs were over before the claim: the data plane's pump hears of no claim at all.
-    assert table.claimed_count == 0 and table.claims == []  # type: ignore[attr-defined]
-    table.publish("s", [[1]], None)
-    claim(table, "s")  # a claim while reading: the pump runs until the lease is released
+    assert table.claimed_count == 0 and table.claims == [+1, -1]  # type: ignore[attr-defined]
+
+
+async def test_the_pump_runs_from_the_first_live_lease_to_the_last_release(table):
+    """A D may read any live lease (it claims after reading): the pump hears of the table's
+    first lease and of its last release, nothing in between."""
+    table.publish("a", [[1]], None)
+    table.publish("b", [[2]], None)
+    claim(table, "b")  # a claim while reading changes nothing: the pump already runs
     assert table.claims == [+1]  # type: ignore[attr-defined]
-    table.notify("s", CONSUMED, [0, 1], 7, claim_id=CLAIM_A)
+    claim_consumed(table, "a")
+    assert table.claims == [+1]  # type: ignore[attr-defined]  # b still lives
+    table.notify("b", CONSUMED, [0, 1], 7, claim_id=CLAIM_A)
     assert table.claims == [+1, -1]  # type: ignore[attr-defined]
+    lease = table.publish("w", [[3]], None)  # withdrawn unclaimed: an edge each way as well
+    table.notify("w", ABORTED, [], 7, token=lease.token, withdraw=True)
+    table.publish("x", [[4]], 0.05)
+    await asyncio.sleep(0.3)  # expired by the reaper
+    assert table.claims == [+1, -1, +1, -1, +1, -1] and table.live_count == 0  # type: ignore[attr-defined]
 
 
 async def test_a_consumed_claim_of_some_d_ranks_waits_for_the_others(table):
