@@ -289,6 +289,54 @@ async def idle_cpu_percent(pids: dict[str, int], seconds: float) -> dict[str, fl
     return {k: 100 * (cpu_seconds(p) - before[k]) / seconds for k, p in servers.items()}
 
 
+async def size_sweep(t: Target, args: argparse.Namespace, sizes: list[int], rng: np.random.Generator,
+                     progress: Progress) -> tuple[list[dict[str, Any]], str]:
+    """Every request size, blocks shuffled and contiguous: (rows, why raw NIXL was skipped or "")."""
+    raw: RawNixl | None = None
+    raw_error = ""
+    try:
+        raw = RawNixl(t.pc, t.d_info.layout, t.d_info.tp_size, f"bench-raw-{os.getpid()}", args.memory)
+        await raw.start()
+    except Exception as e:  # a remote P that does not accept this process as a peer
+        if raw is not None:
+            raw.close()
+        raw, raw_error = None, f"{type(e).__name__}: {e}"
+    largest = sizes[-1]
+    points = []
+    try:
+        for n in sizes:
+            patterns = {
+                # an allocator's free list after a while: no two blocks adjacent on both sides
+                "shuffled": (rng.choice(largest, n, replace=False).tolist(),
+                             rng.choice(largest, n, replace=False).tolist()),
+                # a fresh allocator: one run per region after coalescing
+                "contiguous": (list(range(n)), list(range(n))),
+            }
+            for pattern, (p_ids, d_ids) in patterns.items():
+                row = await size_point(t, raw, n, pattern, p_ids, d_ids, args.runs, args.memory)
+                points.append(row)
+                progress.step(f"{row['bytes'] / MIB:.2f} MiB {pattern}: kvsvc {row['kvsvc_transfer_gbps']:.2f} "
+                              f"GB/s, raw NIXL {row.get('raw_nixl_gbps', 0):.2f} GB/s")
+    finally:
+        if raw is not None:
+            raw.close()
+    return points, raw_error
+
+
+async def concurrency_sweep(t: Target, args: argparse.Namespace, concurrency: list[int], p_blocks: int,
+                            first_slot: int, progress: Progress) -> list[dict[str, Any]]:
+    """1-block requests at each level in flight, every API side by side."""
+    conc = []
+    for c in concurrency:
+        for api in APIS:  # side by side, the stream first as engines use it
+            row = await concurrency_point(t, c, args.requests if c > 1 else max(50, args.requests // 2),
+                                          p_blocks, first_slot, api)
+            conc.append(row)
+            progress.step(f"{c} in flight ({api}): {row['transfers_per_s']:.0f} transfers/s, p99 "
+                          f"{row['transfer_p99_ms']:.2f} ms")
+    return conc
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     block_bytes = block_bytes_of(args.layers)
@@ -310,43 +358,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = np.random.default_rng(1)
         if t.p_pool is not None:
             fill_random(t.p_pool, rng)
-        raw: RawNixl | None = None
-        raw_error = ""
-        try:
-            raw = RawNixl(t.pc, t.d_info.layout, t.d_info.tp_size, f"bench-raw-{os.getpid()}", args.memory)
-            await raw.start()
-        except Exception as e:  # a remote P that does not accept this process as a peer
-            if raw is not None:
-                raw.close()
-            raw, raw_error = None, f"{type(e).__name__}: {e}"
-        points = []
-        try:
-            for n in sizes:
-                patterns = {
-                    # an allocator's free list after a while: no two blocks adjacent on both sides
-                    "shuffled": (rng.choice(largest, n, replace=False).tolist(),
-                                 rng.choice(largest, n, replace=False).tolist()),
-                    # a fresh allocator: one run per region after coalescing
-                    "contiguous": (list(range(n)), list(range(n))),
-                }
-                for pattern, (p_ids, d_ids) in patterns.items():
-                    row = await size_point(t, raw, n, pattern, p_ids, d_ids, args.runs, args.memory)
-                    points.append(row)
-                    progress.step(f"{row['bytes'] / MIB:.2f} MiB {pattern}: kvsvc {row['kvsvc_transfer_gbps']:.2f} "
-                                  f"GB/s, raw NIXL {row.get('raw_nixl_gbps', 0):.2f} GB/s")
-        finally:
-            if raw is not None:
-                raw.close()
+        points, raw_error = await size_sweep(t, args, sizes, rng, progress)
         cold = await cold_vs_warm(t, cold_first, cold_n)
         progress.step(f"cold vs warm: {cold['cold_over_warm']:.2f}")
-        conc = []
-        for c in concurrency:
-            for api in APIS:  # side by side, the stream first as engines use it
-                row = await concurrency_point(t, c, args.requests if c > 1 else max(50, args.requests // 2),
-                                              largest, slots_first, api)
-                conc.append(row)
-                progress.step(f"{c} in flight ({api}): {row['transfers_per_s']:.0f} transfers/s, p99 "
-                              f"{row['transfer_p99_ms']:.2f} ms")
+        conc = await concurrency_sweep(t, args, concurrency, largest, slots_first, progress)
         carrier = t.xfer.carrier  # what the engine-style stream ran on
         rtt = await rpc_round_trips(t.dc, 200)
         # To P as well: where P is on another host, the round trip of the link D reads over.

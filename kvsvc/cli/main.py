@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from kvsvc.client import ClientOptions
@@ -96,7 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-format", choices=["text", "json"], default="text",
                     help="log lines as text or as one JSON object each (with request_id and trace_id)")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_serve(sub)
+    _add_inspection(sub)
+    _add_engines(sub)
+    _add_demo(sub)
+    b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side: sizes, concurrency, "
+                       "cold vs warm")
+    from kvsvc.cli.bench import add_arguments
 
+    add_arguments(b)
+    b.set_defaults(func=_bench)
+    return ap
+
+
+Subparsers = Any  # argparse's _SubParsersAction, private in typeshed's eyes
+
+
+def _add_serve(sub: Subparsers) -> None:
     s = sub.add_parser("serve", help="run a server (defaults: 127.0.0.1:50051, a tiny built-in layout)")
     s.add_argument("--config", help="TOML file with [server] and [layout] tables")
     s.add_argument("--listen", help="host:port to bind (port 0: any free port)")
@@ -105,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this collector")
     s.add_argument("--etcd", help="etcd endpoints, comma-separated: register this server there while it runs")
     s.add_argument("--etcd-prefix", help="key prefix of kvsvc's records in etcd (default /kvsvc/v1)")
-    s.add_argument("--engine-id")
-    s.add_argument("--role", choices=["prefill", "decode", "both"])
-    s.add_argument("--tp-size", type=int)
+    s.add_argument("--engine-id", help="the engine this server belongs to, unique in the deployment (default kvsvc-engine)")
+    s.add_argument("--role", choices=["prefill", "decode", "both"], help="what the engine does (default both)")
+    s.add_argument("--tp-size", type=int, help="the engine's tensor-parallel size (default 1)")
     s.add_argument("--ranks", help="hosted TP ranks, comma-separated (default: all)")
     s.add_argument("--memory", choices=["dram", "vram", "none"], help="where pools live (none: control plane only)")
     s.add_argument("--layout-json", help="the [layout] table as JSON (overrides the config file)")
@@ -115,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "here leases the request on them too)")
     s.set_defaults(func=_serve)
 
+
+def _add_inspection(sub: Subparsers) -> None:
     i = sub.add_parser("info", help="print a server's GetInfo readably (--json: as JSON)")
     i.add_argument("address", nargs="?", default="127.0.0.1:50051")
     _connection_arguments(i)
@@ -133,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_arguments(ls)
     ls.set_defaults(func=_leases)
 
+
+def _add_engines(sub: Subparsers) -> None:
     e = sub.add_parser("engines", help="the engines registered in etcd and their servers (--watch: follow changes)")
     e.add_argument("--etcd", required=True, help="etcd endpoints, comma-separated (http://host:2379)")
     e.add_argument("--engine", default="", help="only this engine id")
@@ -141,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--watch", action="store_true", help="print the servers, then each one that comes or goes")
     e.set_defaults(func=_engines)
 
+
+def _add_demo(sub: Subparsers) -> None:
     d = sub.add_parser("demo", help="a real P->D transfer between two server processes on loopback")
     d.add_argument("--prefill-tp", type=int, default=2)
     d.add_argument("--decode-tp", type=int, default=1)
@@ -161,14 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode context parallelism of the decode engine (MLA only: 1 or --decode-tp)")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=_demo)
-
-    b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side: sizes, concurrency, "
-                       "cold vs warm")
-    from kvsvc.cli.bench import add_arguments
-
-    add_arguments(b)
-    b.set_defaults(func=_bench)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

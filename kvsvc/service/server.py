@@ -112,12 +112,11 @@ async def create_server(
     node = Node(config, external_pools)
     decoder = Decoder(node)
     siblings = Siblings(node)
-    options = [
+    server = grpc.aio.server(options=[
         *SERVER_OPTIONS_BASE,
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-    ]
-    server = grpc.aio.server(options=options)
+    ])
     servicer = KvTransferServicer(node, decoder, siblings)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -126,12 +125,7 @@ async def create_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     creds = server_credentials(config)
-    try:
-        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
-    except RuntimeError as e:  # grpc reports a failed bind this way
-        raise FailedPrecondition("ADDRESS_IN_USE", f"cannot listen on {config.listen}: {e}; is another server "
-                                 "running there?", {"listen": config.listen}) from e
-    host = config.listen.rsplit(":", 1)[0]
+    host, port = _bind(server, config, creds)
     node.bind(f"{host}:{port}")
     try:
         await node.start()
@@ -139,12 +133,7 @@ async def create_server(
         await server.stop(0)
         raise
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if node.data is not None:
-        loop = asyncio.get_running_loop()
-        # The NIXL thread ending on its own means no transfer can work: say so to health checks.
-        node.data.on_dead(functools.partial(loop.call_soon_threadsafe, _mark_down, health_servicer, node))
+    await _serving(health_servicer, node)
     if creds is None:
         # `kvsvc serve` logs to stderr at WARNING and above: this reaches the operator's terminal.
         log.warning("PLAINTEXT: %s:%d has no TLS, no authentication: any process that can reach it may publish, "
@@ -153,18 +142,53 @@ async def create_server(
     log.info("kvsvc %s serving %s on %s:%d", config.engine_id, config.role.value, host, port)
     running = RunningServer(server, port, node, health_servicer, decoder, siblings, servicer)
     _add_gauges(running)
-    if creds is None and config.lease_socket and config.role is not Role.DECODE and node.data is not None:
-        # Same-host D servers carry their lease calls here (under TLS they stay on gRPC, with
-        # the caller's certificate); offered in the handshake answer.
-        lease_socket = LeaseSocket(servicer.lease_call, config.max_message_bytes, node.epoch)
+    if creds is None:
+        await _start_local_sockets(running)
+    await _start_outside_links(running)
+    return running, port
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig, creds: grpc.ServerCredentials | None) -> tuple[str, int]:
+    """Listen on config.listen: (host, bound port)."""
+    try:
+        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    except RuntimeError as e:  # grpc reports a failed bind this way
+        raise FailedPrecondition("ADDRESS_IN_USE", f"cannot listen on {config.listen}: {e}; is another server "
+                                 "running there?", {"listen": config.listen}) from e
+    return config.listen.rsplit(":", 1)[0], port
+
+
+async def _serving(health_servicer: health.aio.HealthServicer, node: Node) -> None:
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if node.data is not None:
+        loop = asyncio.get_running_loop()
+        # The NIXL thread ending on its own means no transfer can work: say so to health checks.
+        node.data.on_dead(functools.partial(loop.call_soon_threadsafe, _mark_down, health_servicer, node))
+
+
+async def _start_local_sockets(running: RunningServer) -> None:
+    """The same-host sockets of a server without TLS (under TLS every call stays on gRPC,
+    with the caller's certificate)."""
+    node, config = running.node, running.node.config
+    if node.data is None:
+        return
+    if config.lease_socket and config.role is not Role.DECODE:
+        # Same-host D servers carry their lease calls here; offered in the handshake answer.
+        lease_socket = LeaseSocket(running.servicer.lease_call, config.max_message_bytes, node.epoch)
         if await _started(running, lease_socket, "D servers on this host"):
             running.lease_socket, node.lease_socket_path = lease_socket, lease_socket.path
-    if creds is None and config.transfer_socket and config.role is not Role.PREFILL and node.data is not None:
-        # This server's engine, on the same host, carries its transfers here (under TLS they
-        # stay on gRPC, with the engine's certificate); offered in GetInfo.
-        transfer_socket = TransferSocket(decoder, config.max_message_bytes, node.epoch)
+    if config.transfer_socket and config.role is not Role.PREFILL:
+        # This server's engine, on the same host, carries its transfers here; offered in GetInfo.
+        transfer_socket = TransferSocket(running.decoder, config.max_message_bytes, node.epoch)
         if await _started(running, transfer_socket, "the engine's transfers"):
             running.transfer_socket, node.transfer_socket_path = transfer_socket, transfer_socket.path
+
+
+async def _start_outside_links(running: RunningServer) -> None:
+    """The metrics endpoint and the etcd registration, where configured; a failure stops
+    the server (it would serve unseen)."""
+    node, config = running.node, running.node.config
     if config.metrics_listen:
         try:
             running.metrics_address = node.metrics.serve(config.metrics_listen)
@@ -178,7 +202,6 @@ async def create_server(
         except BaseException:
             await running.stop(0, drain_s=0)
             raise
-    return running, port
 
 
 async def _started(running: RunningServer, sock: LocalSocket, users: str) -> bool:

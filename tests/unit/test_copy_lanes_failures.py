@@ -62,7 +62,7 @@ async def test_a_part_that_cannot_be_posted_cancels_and_settles_the_others_first
 
 
 def test_transfer_response_counts_a_split_read_once() -> None:
-    from kvsvc.service.decode import _parts
+    from kvsvc.service.transfer_run import _parts
 
     loop = asyncio.new_event_loop()
     try:

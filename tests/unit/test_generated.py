@@ -55,3 +55,23 @@ def test_readme_config_loads(tmp_path):
     cfg = load_config(path)
     assert (cfg.engine_id, cfg.role, cfg.tp_size, cfg.memory) == ("prefill-0", Role.PREFILL, 8, MemoryMode.VRAM)
     assert cfg.layout().groups[0].spec.num_kv_heads == 1  # K = 8 over TP 8
+
+
+MAX_SERVICE_FUNCTION_LINES = 60
+_LONG_FUNCTIONS = """
+import ast, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > int(sys.argv[2]):
+                print(f"{path.name}:{node.lineno} {node.name} {lines}")
+"""
+
+
+def test_no_function_in_the_service_layer_is_longer_than_a_screen():
+    """The service layer reads in screens: a longer function wants phases of its own (as
+    Decoder's transfer became TransferRun). Parsed in a child (see _imports)."""
+    proc = subprocess.run([sys.executable, "-c", _LONG_FUNCTIONS, str(ROOT / "kvsvc" / "service"),
+                           str(MAX_SERVICE_FUNCTION_LINES)], capture_output=True, text=True, check=True)
+    assert proc.stdout == "", f"functions over {MAX_SERVICE_FUNCTION_LINES} lines:\n{proc.stdout}"
