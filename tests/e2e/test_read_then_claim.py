@@ -21,7 +21,7 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import abort_published
 from kvsvc.errors import FailedPrecondition, InvalidArgument
-from kvsvc.service import decode
+from kvsvc.service import transfer_run
 from kvsvc.service.server import RunningServer
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
@@ -94,7 +94,7 @@ async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passe
 
 
 async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(monkeypatch):
-    monkeypatch.setattr(decode, "EARLY_CLAIM_S", 0.01)
+    monkeypatch.setattr(transfer_run, "EARLY_CLAIM_S", 0.01)
     async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         pub = await pc.publish_blocks("long", [[3]])

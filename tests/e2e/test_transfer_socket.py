@@ -180,16 +180,16 @@ async def test_hostile_frames_end_only_their_connection_and_touch_no_lease(monke
 async def test_a_connection_that_closes_gives_its_transfers_up(monkeypatch):
     async with in_process_pair("tc") as (p, d):
         async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
-            from kvsvc.service import decode
+            from kvsvc.service import transfer_run
 
             gate = asyncio.Event()
-            claim_all = decode.claim_all
+            claim_all = transfer_run.claim_all
 
             async def held(*args, **kwargs):  # the READ done, the claim not yet sent
                 await gate.wait()
                 return await claim_all(*args, **kwargs)
 
-            monkeypatch.setattr(decode, "claim_all", held)
+            monkeypatch.setattr(transfer_run, "claim_all", held)
             pub = await pc.publish_blocks("tc", [[3]])
             _reader, writer = await asyncio.open_unix_connection(d.transfer_socket.path)
             writer.write(framed(pb.TransferStreamRequest(transfers=[pb.TransferCall(request=pb.TransferRequest(
