@@ -15,7 +15,7 @@ import numpy as np
 from kvsvc.client import AsyncClient
 from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.mapping.planner import Side, plan_rank
-from kvsvc.memory.pools import CudaPool, ShmPool
+from kvsvc.memory.pools import CudaPool, MemoryKind, ShmPool
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -135,7 +135,7 @@ class RawNixl:
         la = local_base[reads.local_region] + reads.local_offset
         ra = remote_base[reads.remote_region] + reads.remote_offset
         agent = self._agent
-        remote_kind = "VRAM" if self.remote.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM"
+        remote_kind = MemoryKind.VRAM if self.remote.memory_kind == pb.MEMORY_KIND_VRAM else MemoryKind.DRAM
         local = agent.get_xfer_descs(np.stack([la, reads.length, np.full_like(reads.length, pool.device_id)], 1)
                                      .astype(np.uint64), pool.memory_kind)
         remote = agent.get_xfer_descs(np.stack([ra, reads.length, np.full_like(reads.length, self.remote.device_id)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import mmap
 import os
@@ -18,10 +19,17 @@ from kvsvc.layout.regions import Region
 log = logging.getLogger(__name__)
 
 
+class MemoryKind(enum.StrEnum):
+    """Where a pool lives; the values are NIXL's own names for the two kinds."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
 class Pool:
     """One rank's pool: a contiguous byte range the regions of build_pool_layout live in."""
 
-    memory_kind = "DRAM"  # NIXL memory type
+    memory_kind = MemoryKind.DRAM
     populate_s = 0.0  # time spent backing every page at start (pools kvsvc allocates itself)
     shm_name = ""
     device_id = 0
@@ -104,7 +112,7 @@ class ShmPool(Pool):
 class CudaPool(Pool):
     """VRAM pool: a torch CUDA tensor, shared with engines through a CUDA IPC handle."""
 
-    memory_kind = "VRAM"
+    memory_kind = MemoryKind.VRAM
 
     def __init__(self, rank: int, size_bytes: int, device: int, wrap: bool = False) -> None:
         """wrap: device is a default (one GPU per rank): fold it onto the devices present."""
@@ -158,7 +166,7 @@ class ExternalPool(Pool):
         super().__init__(rank, size_bytes, addr)
         self._buffer = buffer
         if cuda:
-            self.memory_kind, self.device_id = "VRAM", device
+            self.memory_kind, self.device_id = MemoryKind.VRAM, device
 
     def close(self) -> None:
         self._buffer = None
@@ -224,7 +232,7 @@ class RegionBuffersPool(Pool):
         self._segments = [(lo, hi - lo) for lo, hi in merged]
         super().__init__(rank, sum(n for _, n in self._segments), merged[0][0] if merged else 0)
         if cuda:
-            self.memory_kind, self.device_id = "VRAM", device
+            self.memory_kind, self.device_id = MemoryKind.VRAM, device
 
     def region_address(self, region: Region) -> int:
         return self._addresses[region.index]

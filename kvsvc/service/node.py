@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,9 +17,10 @@ from kvsvc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
-from kvsvc.memory.pools import CudaPool, ExternalPool, Pool, RegionBuffersPool, ShmPool, shm_name_for
+from kvsvc.memory.pools import CudaPool, ExternalPool, MemoryKind, Pool, RegionBuffersPool, ShmPool, shm_name_for
 from kvsvc.service.metrics import Metrics
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
+from kvsvc.transport.ports import DataPlane
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,20 @@ def _cuda_ipc_to_proto(share: tuple[Any, ...] | None) -> pb.CudaIpc | None:
                       event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
 
 
-class Node:
-    """One engine's ranks on this node. External pools (embedding mode) replace allocation."""
+DataPlaneFactory = Callable[[str, int, Mapping[int, Pool], int], DataPlane]
+"""(engine id, epoch, pools by rank, copy lanes) -> a data plane not yet started."""
 
-    def __init__(self, config: ServerConfig, external_pools: Mapping[int, Any] | None = None) -> None:
+
+def nixl_data_plane(engine_id: str, epoch: int, pools: Mapping[int, Pool], copy_lanes: int) -> DataPlane:
+    return NixlDataPlane(engine_id, epoch, pools, copy_lanes=copy_lanes)
+
+
+class Node:
+    """One engine's ranks on this node. External pools (embedding mode) replace allocation;
+    data_plane makes the data plane over the pools (NIXL unless a test hands in another)."""
+
+    def __init__(self, config: ServerConfig, external_pools: Mapping[int, Any] | None = None,
+                 data_plane: DataPlaneFactory = nixl_data_plane) -> None:
         config.validate()
         self.config = config
         self.layout = config.layout()
@@ -57,7 +68,8 @@ class Node:
         self._external = dict(external_pools or {})
         self.pools: dict[int, Pool] = {}
         self._region_bases: dict[int, np.ndarray] = {}
-        self.data: NixlDataPlane | None = None
+        self.data: DataPlane | None = None
+        self._data_plane = data_plane
         self.data_error = ""
         self.metrics = Metrics(config.engine_id)
         self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
@@ -86,8 +98,8 @@ class Node:
             for rank in self.hosted_ranks:
                 self.pools[rank] = self._make_pool(rank, size)
             reads = self.config.role in (Role.DECODE, Role.BOTH)
-            self.data = NixlDataPlane(self.config.engine_id, self.epoch, self.pools,
-                                      copy_lanes=self.config.copy_threads if reads else 0)
+            self.data = self._data_plane(self.config.engine_id, self.epoch, self.pools,
+                                         self.config.copy_threads if reads else 0)
             await self.data.start()
         except BaseException:
             await self.close()
@@ -136,11 +148,11 @@ class Node:
             raise FailedPrecondition("WRONG_ROLE", f"{what} needs a {role.value} server; this one is "
                                      f"{self.config.role.value}", {"role": self.config.role.value})
 
-    def require_data_plane(self, what: str) -> NixlDataPlane:
+    def require_data_plane(self, what: str) -> DataPlane:
         if self.data is None:
             raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: {self.data_error}")
         if not self.data.alive:
-            raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: the NIXL thread stopped")
+            raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: it stopped (the NIXL thread ended)")
         return self.data
 
     def check_ranks(self, ranks: Sequence[int], field: str) -> tuple[int, ...]:
@@ -190,7 +202,7 @@ class Node:
         return [region_to_proto(r, pool.region_address(r) if pool is not None else 0) for r in self.side.pool.regions]
 
     def memory_kind(self, rank: int) -> pb.MemoryKind:
-        return pb.MEMORY_KIND_VRAM if self.pools[rank].memory_kind == "VRAM" else pb.MEMORY_KIND_DRAM
+        return pb.MEMORY_KIND_VRAM if self.pools[rank].memory_kind == MemoryKind.VRAM else pb.MEMORY_KIND_DRAM
 
     def pool_infos(self) -> list[pb.PoolInfo]:
         out = []

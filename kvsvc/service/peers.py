@@ -19,6 +19,7 @@ from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable
 from kvsvc.limits import check_tp_size
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import handshake_target_ranks
+from kvsvc.memory.pools import MemoryKind
 from kvsvc.service.node import Node
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -32,7 +33,7 @@ class RemoteRank:
     rank: int
     agent_name: str
     region_bases: list[int]
-    memory_kind: str = "DRAM"
+    memory_kind: MemoryKind = MemoryKind.DRAM
     device_id: int = 0
     bases: np.ndarray = field(init=False, repr=False)
     """region_bases as an array, made once (every transfer indexes it)."""
@@ -234,7 +235,7 @@ class PeerCache:
             side = Side.of(layout_from_proto(resp.layout, "handshake.layout", resp.tp_size), resp.tp_size)
             validate_pair(node.side, side)  # both sides check: never trust one
             ranks = {h.tp_rank: RemoteRank(h.tp_rank, h.agent_name, [r.base_address for r in h.regions],
-                                           "VRAM" if h.memory_kind == pb.MEMORY_KIND_VRAM else "DRAM", h.device_id)
+                                           MemoryKind.VRAM if h.memory_kind == pb.MEMORY_KIND_VRAM else MemoryKind.DRAM, h.device_id)
                      for h in resp.ranks}
             peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client,
                         lease=LeaseChannel(client, resp.lease_socket))

@@ -24,7 +24,7 @@ from kvsvc.errors import FailedPrecondition
 from kvsvc.service.decode import Decoder
 from kvsvc.service.lease_socket import LeaseSocket
 from kvsvc.service.local_socket import LocalSocket
-from kvsvc.service.node import Node
+from kvsvc.service.node import DataPlaneFactory, Node, nixl_data_plane
 from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.service.siblings import Siblings
 from kvsvc.service.stacks import install_stack_dump
@@ -99,7 +99,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 async def create_server(
-    config: ServerConfig, external_pools: Mapping[int, Any] | None = None
+    config: ServerConfig, external_pools: Mapping[int, Any] | None = None,
+    data_plane: DataPlaneFactory = nixl_data_plane,
 ) -> tuple[RunningServer, int]:
     """Build, bind and start a server; port 0 in config.listen picks a free port.
 
@@ -107,9 +108,10 @@ async def create_server(
     and the bound port. external_pools embeds the server in an engine that owns its KV
     memory: rank -> one contiguous numpy array or torch tensor laid out like kvsvc's own
     pool, or rank -> a list of one buffer per region (the engine's per-layer tensors, or
-    views of them), each holding the region's blocks on dimension 0.
+    views of them), each holding the region's blocks on dimension 0. data_plane makes the
+    data plane (NIXL's; see kvsvc/transport/ports.py for what another must do).
     """
-    node = Node(config, external_pools)
+    node = Node(config, external_pools, data_plane)
     decoder = Decoder(node)
     siblings = Siblings(node)
     server = grpc.aio.server(options=[

@@ -49,7 +49,7 @@ from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_al
 from kvsvc.service.node import Node
 from kvsvc.service.peers import RemoteRank
 from kvsvc.service.tracing import Clock, record_phases, record_span, traceparent
-from kvsvc.transport.nixl_thread import InFlight, TransferError
+from kvsvc.transport.ports import Flight, TransferError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ MIN_DEADLINE_MARGIN_S = 0.05
 ABORT_TIMEOUT_S = 2.0
 # How long P's answers are waited for when the READs settled after the answer was due.
 LATE_ANSWER_WAIT_S = 0.2
-# How a failed READ is reported (NixlDataPlane's post errors and _all_read's).
+# How a failed READ is reported (the data plane's post errors and _all_read's).
 READ_FAILURES = ("TRANSFER_FAILED", "NIXL_ERROR")
 # READs still running this long after they were posted claim the lease before they end;
 # shorter ones claim it and report it consumed in one message.
@@ -80,7 +80,7 @@ Read = tuple[int, tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]
 @dataclass
 class Posted:
     rank: int
-    flight: InFlight
+    flight: Flight
     nbytes: int
     descriptors: int
 
@@ -376,7 +376,7 @@ def _addresses(node: Node, ranks: dict[int, RemoteRank],
     return out
 
 
-def _parts(rank: int, flights: list[InFlight], length: np.ndarray) -> list[Posted]:
+def _parts(rank: int, flights: list[Flight], length: np.ndarray) -> list[Posted]:
     """A READ posted in parts (copy lanes): the first carries its bytes and descriptors,
     so the answer counts the READ once; each part is waited for and settled."""
     return [Posted(rank, fl, int(length.sum()) if i == 0 else 0, int(length.size) if i == 0 else 0)
@@ -399,7 +399,7 @@ def _check_read(posted: list[Posted]) -> None:
             raise Internal("TRANSFER_FAILED", f"a READ failed: {error}") from error
 
 
-async def _settle_post(post: asyncio.Future[list[InFlight]]) -> bool:
+async def _settle_post(post: asyncio.Future[list[Flight]]) -> bool:
     """Wait out a READ being posted (even if cancelled again); True when it was posted."""
     while not post.done():
         try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsvc.memory.pools import Pool
+from kvsvc.memory.pools import MemoryKind, Pool
 from kvsvc.transport.nixl_thread import InFlight, NixlThread
 from kvsvc.transport.reads import read_maker, split_descriptors
 
@@ -76,7 +76,7 @@ class CopyLanes:
 
     async def start(self, api: Any, pools: Mapping[int, Pool], backends: list[str]) -> None:
         """Start the lanes and make their agents on the DRAM pools (ranks in VRAM get none)."""
-        dram = {rank: pool for rank, pool in sorted(pools.items()) if pool.memory_kind == "DRAM"}
+        dram = {rank: pool for rank, pool in sorted(pools.items()) if pool.memory_kind == MemoryKind.DRAM}
         if not dram:  # nothing they could read into: no threads at all
             return
         self._threads = [NixlThread(f"kvsvc-copy{i}") for i in range(self._wanted)]

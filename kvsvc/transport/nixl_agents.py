@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvsvc.errors import Internal, KvsvcError, Unavailable
-from kvsvc.memory.pools import Pool
+from kvsvc.memory.pools import MemoryKind, Pool
 from kvsvc.transport.copy_lanes import CopyLanes
 from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
 from kvsvc.transport.reads import read_maker
@@ -38,7 +38,7 @@ at the calling thread's CUDA context, and no GPU was at hand to prove the loop's
 
 
 def _inline(length: np.ndarray, local_memory: str, remote_memory: str) -> bool:
-    return local_memory == "DRAM" and remote_memory == "DRAM" and int(length.sum()) <= INLINE_READ_MAX_BYTES
+    return local_memory == MemoryKind.DRAM and remote_memory == MemoryKind.DRAM and int(length.sum()) <= INLINE_READ_MAX_BYTES
 
 
 @functools.cache
@@ -146,7 +146,7 @@ class NixlDataPlane:
 
     async def start(self) -> None:
         self._ucx_log = enable_protocol_log()  # before UCX reads its environment
-        if any(pool.memory_kind == "VRAM" for pool in self._pools.values()):
+        if any(pool.memory_kind == MemoryKind.VRAM for pool in self._pools.values()):
             allow_cuda_ipc_reads()
         api = load_nixl()
         self._thread.start()
@@ -157,7 +157,7 @@ class NixlDataPlane:
         await self._guard(self._lanes.start(api, self._pools, self.backends), "create copy lane agents")
 
     def _make_agent(self, api: Any, rank: int, pool: Pool) -> RankAgent:
-        if pool.memory_kind == "VRAM":
+        if pool.memory_kind == MemoryKind.VRAM:
             bind_cuda_device(pool.device_id)
         cfg = api.nixl_agent_config(enable_prog_thread=False, backends=list(self.backends))
         name = self.agent_name(rank)
@@ -212,7 +212,7 @@ class NixlDataPlane:
 
     async def read(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-        length: np.ndarray, remote_memory: str = "DRAM", remote_device: int = 0,
+        length: np.ndarray, remote_memory: MemoryKind = MemoryKind.DRAM, remote_device: int = 0,
     ) -> list[InFlight]:
         """Post one READ of len(length) descriptors: in parts over the copy lanes when it is
         long and between DRAM pools, else as one READ on the NIXL thread (or inline, see
@@ -227,7 +227,7 @@ class NixlDataPlane:
         20 us one-sided, 0.1-0.2 ms with a notification and P progressing, stalled without).
         """
         local_memory = self.agents[local_rank].pool.memory_kind
-        if local_memory == "DRAM" and remote_memory == "DRAM" and self._lanes.takes(local_rank, remote_name,
+        if local_memory == MemoryKind.DRAM and remote_memory == MemoryKind.DRAM and self._lanes.takes(local_rank, remote_name,
                                                                                     int(length.sum())):
             return await self._guard(self._lanes.post(local_rank, remote_name, local_addr, remote_addr, length,
                                                       remote_memory, remote_device), "post READ")  # type: ignore[no-any-return]
@@ -238,7 +238,7 @@ class NixlDataPlane:
 
     def read_now(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-        length: np.ndarray, remote_memory: str = "DRAM", remote_device: int = 0,
+        length: np.ndarray, remote_memory: MemoryKind = MemoryKind.DRAM, remote_device: int = 0,
     ) -> InFlight | None:
         """read(), posted before this returns when the READ is short (see INLINE_READ_MAX_BYTES)
         and NIXL free at once (no task, no hand-off: most of a short transfer); None

@@ -34,8 +34,9 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from kvsvc.transport.ports import Flight, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,7 @@ to do: a UCX target that never progresses stalls its readers' next READ after so
 _STOP = object()
 
 
-@dataclass
-class InFlight:
-    """One posted transfer: its agent, handle, and the futures that report it."""
-
-    agent: Any
-    handle: Any
-    loop: asyncio.AbstractEventLoop
-    result: asyncio.Future[float]
-    settled: asyncio.Event
-    posted_at: float = field(default_factory=time.perf_counter)
-    elapsed: float = 0.0
-
-
-class TransferError(Exception):
-    """A NIXL transfer ended in error (translated to a kvsvc error by the caller's layer)."""
+InFlight = Flight  # the NIXL thread's name for a posted READ (ports.Flight)
 
 
 def _fail_future(fut: asyncio.Future[Any], error: Exception) -> None:
