@@ -47,6 +47,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+def json_lines() -> bool:
+    """Whether this process logs JSON lines (setup(fmt="json")): what it prints for
+    programs to read is JSON too."""
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
+def as_json_line(logger: str, message: str, **fields: Any) -> str:
+    """A line shaped as JsonFormatter's records (INFO), with fields of its own: for what a
+    command prints on stdout when its logs are JSON, so one reader takes both."""
+    record = logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)
+    return json.dumps({**json.loads(JsonFormatter().format(record)), **fields})
+
+
 def setup(level: int, fmt: str = "text") -> None:
     """The root logger of a kvsvc command: stderr, with request ids, as text or JSON."""
     handler = logging.StreamHandler()

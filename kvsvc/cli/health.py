@@ -23,7 +23,10 @@ async def _check(address: str, options: ClientOptions, service: str) -> int:
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=options.timeout_s)
         except grpc.aio.AioRpcError as e:
-            print(f"kvsvc health: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = ""
+            if e.code() is grpc.StatusCode.UNAVAILABLE and not options.tls_root_certs:
+                hint = " (if the server speaks TLS, give --ca, and --cert/--key for mutual TLS)"
+            print(f"kvsvc health: {address}: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(status)

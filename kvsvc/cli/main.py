@@ -90,12 +90,24 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _logging_arguments(p: argparse.ArgumentParser, default: Any) -> None:
+    """-v and --log-format, before the subcommand or after it (default: the top parser's
+    defaults, or SUPPRESS in a subcommand so that one given before it stands)."""
+    p.add_argument("-v", "--verbose", action="count", default=0 if default is None else default,
+                   help="log at INFO (-vv: DEBUG)")
+    p.add_argument("--log-format", choices=["text", "json"], default="text" if default is None else default,
+                   help="log lines as text or as one JSON object each (with request_id and trace_id)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvsvc import __version__
+
     ap = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated inference")
-    ap.add_argument("-v", "--verbose", action="count", default=0, help="log at INFO (-vv: DEBUG)")
-    ap.add_argument("--log-format", choices=["text", "json"], default="text",
-                    help="log lines as text or as one JSON object each (with request_id and trace_id)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--version", action="version", version=f"kvsvc {__version__}")
+    _logging_arguments(ap, None)
+    common = argparse.ArgumentParser(add_help=False)
+    _logging_arguments(common, argparse.SUPPRESS)
+    sub = _Subcommands(ap.add_subparsers(dest="cmd", required=True), common)
     _add_serve(sub)
     _add_inspection(sub)
     _add_engines(sub)
@@ -109,7 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-Subparsers = Any  # argparse's _SubParsersAction, private in typeshed's eyes
+class _Subcommands:
+    """add_subparsers' result, every subcommand taking the logging arguments too."""
+
+    def __init__(self, action: Any, common: argparse.ArgumentParser) -> None:
+        self._action, self._common = action, common
+
+    def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self._action.add_parser(name, parents=[self._common], **kw)
+        return parser
+
+
+Subparsers = _Subcommands
 
 
 def _add_serve(sub: Subparsers) -> None:

@@ -21,6 +21,7 @@ from kvsvc.config import Role, ServerConfig
 from kvsvc.discovery.etcd import EtcdClient
 from kvsvc.discovery.registry import Registration, ServerRecord
 from kvsvc.errors import FailedPrecondition
+from kvsvc.logs import as_json_line, json_lines
 from kvsvc.service.decode import Decoder
 from kvsvc.service.lease_socket import LeaseSocket
 from kvsvc.service.local_socket import LocalSocket
@@ -206,6 +207,23 @@ async def _start_outside_links(running: RunningServer) -> None:
             raise
 
 
+def _say_ready(running: RunningServer, config: ServerConfig) -> None:
+    """The lines on stdout that say where the server serves (the last one: it is ready), as
+    JSON objects when the logs are JSON (each with the same "message" as the text line)."""
+    bound = f"{config.listen.rsplit(':', 1)[0]}:{running.port}"
+    advertised = f", advertised to peers as {running.node.address}" if running.node.address != bound else ""
+    lines: list[tuple[str, dict[str, Any]]] = []
+    if running.metrics_address:  # before the line that says the server is ready
+        lines.append((f"kvsvc metrics on http://{running.metrics_address}/metrics",
+                      {"event": "metrics", "metrics_url": f"http://{running.metrics_address}/metrics"}))
+    lines.append((f"kvsvc listening on {bound}{advertised} (engine {config.engine_id}, TP ranks "
+                  f"{list(config.ranks)}/{config.tp_size})",
+                  {"event": "listening", "address": bound, "advertised_address": running.node.address,
+                   "engine_id": config.engine_id, "ranks": list(config.ranks), "tp_size": config.tp_size}))
+    for text, fields in lines:
+        print(as_json_line(__name__, text, **fields) if json_lines() else text, flush=True)
+
+
 async def _started(running: RunningServer, sock: LocalSocket, users: str) -> bool:
     """Start a same-host socket; False (a warning, the server serves without it: it is an
     optimisation only) when the temp dir cannot hold it."""
@@ -269,12 +287,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     # transfer in flight; an engine that embeds a server keeps its own GC policy.
     gc.collect()
     gc.freeze()
-    if running.metrics_address:  # before the line that says the server is ready
-        print(f"kvsvc metrics on http://{running.metrics_address}/metrics", flush=True)
-    bound = f"{config.listen.rsplit(':', 1)[0]}:{running.port}"
-    advertised = f", advertised to peers as {running.node.address}" if running.node.address != bound else ""
-    print(f"kvsvc listening on {bound}{advertised} (engine {config.engine_id}, TP ranks "
-          f"{list(config.ranks)}/{config.tp_size})", flush=True)
+    _say_ready(running, config)
     if ready is not None:
         ready.set()
     try:

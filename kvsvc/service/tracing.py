@@ -104,7 +104,7 @@ def install_otlp(endpoint: str, service_name: str) -> None:
         from kvsvc.errors import FailedPrecondition
 
         raise FailedPrecondition("OTLP_UNAVAILABLE", "otlp_endpoint is set but the OTLP exporter is not installed: "
-                                 "pip install opentelemetry-exporter-otlp-proto-grpc") from e
+                                 "pip install 'kvsvc[otlp]' (opentelemetry-exporter-otlp-proto-grpc)") from e
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -78,6 +78,26 @@ def test_serve_prints_bound_and_advertised_addresses(tmp_path):
         sp.stop()
 
 
+def test_serve_in_json_log_mode_says_where_it_listens_in_json(tmp_path):
+    """--log-format json (given after the subcommand, with -v): stdout's lines are JSON
+    objects too, the ready line with the address as a field."""
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('[server]\nmemory = "none"\nmetrics_listen = "127.0.0.1:0"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "kvsvc.cli.main", "serve", "-v", "--log-format", "json",
+                             "--listen", "127.0.0.1:0", "--config", str(cfg), "--engine-id", "jl"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        metrics, ready = json.loads(proc.stdout.readline()), json.loads(proc.stdout.readline())
+        assert metrics["event"] == "metrics" and metrics["metrics_url"].startswith("http://127.0.0.1:")
+        assert ready["event"] == "listening" and ready["message"].startswith(f"kvsvc listening on {ready['address']}")
+        assert ready["engine_id"] == "jl" and ready["ranks"] == [0]
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and all(json.loads(line) for line in err.splitlines() if line.strip()), err[-2000:]
+
+
 def test_health_answers_serving_over_mutual_tls_and_fails_otherwise(tmp_path):
     """`kvsvc health` is what the Kubernetes probes run: SERVING -> 0, anything else -> 1."""
     certs = make_pki(tmp_path, ["tls-h"])
@@ -90,6 +110,8 @@ def test_health_answers_serving_over_mutual_tls_and_fails_otherwise(tmp_path):
         assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok
         no_cert = kvsvc("health", p.address, "--ca", ca, "--server-name", "tls-h", "--timeout", "3")
         assert no_cert.returncode == 1 and "kvsvc health:" in no_cert.stderr, no_cert  # mTLS wants a certificate
+        plaintext = kvsvc("health", p.address, "--timeout", "3")  # no --ca: the TLS server's socket closes
+        assert plaintext.returncode == 1 and "give --ca" in plaintext.stderr, plaintext
     finally:
         assert p.stop() == 0
     gone = kvsvc("health", p.address, *tls, "--timeout", "2")

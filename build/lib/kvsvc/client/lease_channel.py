@@ -1,0 +1,288 @@
+"""ClaimLease and Notify over one LeaseChannel stream to a P server.
+
+A unary gRPC call costs a whole call setup on both sides (about 0.7 ms a round trip on a
+small host); a message on an open stream costs about 0.3 ms. A D server makes two or
+three lease calls per transfer to the same P server, so it keeps one stream per P server
+and matches answers to calls by call_id. The answers and errors are those of the unary
+calls, so callers cannot tell the difference -- except that a stream that breaks before
+a call was answered leaves its outcome unknown, exactly like a lost unary call
+(UNAVAILABLE, retried once on a fresh stream: both calls are idempotent). Calls made
+while a message is being written go out together in the next one.
+
+A P server without LeaseChannel (UNIMPLEMENTED) is spoken to with unary calls from then on.
+
+A P server on the same host may offer a Unix socket for the same messages (its path in
+the handshake answer; client/framing.py has the framing): the stream then runs
+there, at a tenth of the cost. A socket that cannot be connected to (another host,
+another user, a P server gone) is given up for good and the gRPC stream used instead; a
+socket connection that breaks is like a broken stream (the call is retried once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
+from kvsvc.client.client import AsyncClient
+from kvsvc.client.errors import error_from_rpc, error_from_status
+from kvsvc.client.framing import LEASE_SOCKET_NAME, SocketCall, socket_path_of
+from kvsvc.errors import DeadlineExceeded, Internal, KvsvcError, Unavailable
+from kvsvc.limits import MAX_LEASE_CALLS
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_METHOD = "/kvsvc.v1.KvTransferService/LeaseChannel"
+
+
+def usable_socket_path(path: str) -> str:
+    """path when it is a lease socket a peer may name (absolute, kvsvc's shape), else ""."""
+    return socket_path_of(path, LEASE_SOCKET_NAME)
+
+
+class _StreamEnded(Exception):
+    """The stream ended before this call was answered; error is how it ended (None: cleanly)."""
+
+    def __init__(self, error: KvsvcError | None) -> None:
+        super().__init__(str(error) if error else "the LeaseChannel stream ended")
+        self.error = error
+
+
+class _Stream:
+    """One open LeaseChannel call: calls waiting for answers, and a reader that hands answers
+    to their callers.
+
+    On the gRPC stream, whoever submits while no write is in flight writes, and keeps
+    writing what others queued meanwhile, a message at a time (no writer task: no extra
+    hop), and a reader task takes the answers. The lease socket writes at once (its writes
+    never wait) and hands each answer over inside the callback that received it.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.pending: dict[int, asyncio.Future[pb.LeaseAnswer]] = {}
+        self.queue: list[pb.LeaseCall] = []
+        self.writing = False
+        self.ended = False
+        self.reader: asyncio.Task[None] | None = None
+        if isinstance(call, SocketCall):
+            call.attach(self._deliver, self._end)
+        else:
+            self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-lease-channel")
+
+    async def submit(self, call: pb.LeaseCall, fut: asyncio.Future[pb.LeaseAnswer]) -> None:
+        if self.ended:
+            fut.set_exception(_StreamEnded(None))
+            return
+        self.pending[call.call_id] = fut
+        self.queue.append(call)
+        if self.writing:
+            return  # the write in flight (or the flush at the end of this loop turn) sends it
+        if isinstance(self.call, SocketCall):
+            self.writing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+            return
+        self.writing = True
+        try:
+            while self.queue and not self.ended:
+                batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
+                await self.call.write(pb.LeaseChannelRequest(calls=batch))
+        except BaseException as e:
+            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
+            # so the stream ends and its calls are retried on a fresh one (all idempotent).
+            self._end(Unavailable("UNAVAILABLE", f"the LeaseChannel write failed: {type(e).__name__}"))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self.writing = False
+
+    def _flush(self) -> None:
+        """The lease socket's write of the calls made in this loop turn, as one message (a
+        callback: no caller's cancellation can cut a message in two)."""
+        self.writing = False
+        if self.ended or not self.queue:
+            return
+        assert isinstance(self.call, SocketCall)
+        try:
+            while self.queue:
+                batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
+                self.call.write_now(pb.LeaseChannelRequest(calls=batch))
+        except Exception as e:
+            self._end(Unavailable("UNAVAILABLE", f"the lease socket write failed: {type(e).__name__}: {e}"))
+
+    def _deliver(self, resp: pb.LeaseChannelResponse) -> None:
+        if resp.stream_error:
+            self._end(_decode_error(resp.stream_error))
+            return
+        for answer in resp.answers:
+            fut = self.pending.pop(answer.call_id, None)
+            if fut is None or fut.done():
+                continue  # its caller gave up (deadline, cancellation)
+            if answer.WhichOneof("result") == "error_status":
+                fut.set_exception(_decode_error(answer.error_status))
+            else:
+                fut.set_result(answer)
+
+    async def _read(self) -> None:
+        error: KvsvcError | None = None
+        try:
+            async for resp in self.call:
+                self._deliver(resp)
+        except grpc.aio.AioRpcError as e:
+            error = error_from_rpc(e)
+        except asyncio.CancelledError:
+            error = Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed")
+        finally:
+            self._end(error)
+
+    def _end(self, error: KvsvcError | None) -> None:
+        """In one step, without awaiting: no call can join this stream after it ended."""
+        if self.ended:
+            return
+        self.ended = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(_StreamEnded(error))
+        self.pending.clear()
+        self.queue.clear()
+        self.call.cancel()
+
+    async def close(self) -> None:
+        self._end(Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed"))
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+
+
+def _decode_error(data: bytes) -> KvsvcError:
+    try:
+        return error_from_status(status_pb2.Status.FromString(data))
+    except DecodeError:
+        return Internal("INTERNAL", f"the P server answered an unreadable error ({len(data)} bytes)")
+
+
+class LeaseChannel:
+    """claim_lease / notify like AsyncClient's, over one stream to client's server."""
+
+    def __init__(self, client: AsyncClient, socket_path: str = "") -> None:
+        self._client = client
+        self._socket_path = usable_socket_path(socket_path)  # P's lease socket ("" or given up: gRPC)
+        self._connecting = asyncio.Lock()
+        self._stream: _Stream | None = None
+        self._ids = itertools.count(1)
+        self._unary = False
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    @property
+    def carrier(self) -> str:
+        """Where the next stream opens: "socket" (P's lease socket) or "grpc"."""
+        return "socket" if self._socket_path else "grpc"
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a stream is open now (it opens on the first call, and again after a break)."""
+        return self._stream is not None and not self._stream.ended
+
+    async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
+                          traceparent: str = "") -> pb.ClaimLeaseResponse:
+        return await self._one("claim", request, self._client.claim_lease, timeout_s,  # type: ignore[no-any-return]
+                                traceparent)
+
+    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
+                     traceparent: str = "") -> pb.NotifyResponse:
+        return await self._one("notify", request, self._client.notify, timeout_s,  # type: ignore[no-any-return]
+                               traceparent)
+
+    async def _one(self, kind: str, request: Any, unary: Callable[..., Any], timeout_s: float | None,
+                   traceparent: str) -> Any:
+        """One call on the stream (kind: the LeaseCall field), or unary where the server has no stream."""
+        if not self._unary:
+            answer = await self._call(
+                lambda cid: pb.LeaseCall(call_id=cid, traceparent=traceparent, **{kind: request}), timeout_s)
+            if answer is not None:
+                return getattr(answer, kind)
+        return await unary(request, timeout_s=timeout_s, traceparent=traceparent)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
+
+    async def _call(self, make: Callable[[int], pb.LeaseCall], timeout_s: float | None) -> pb.LeaseAnswer | None:
+        """The answer; None when the server has no LeaseChannel (the caller goes unary)."""
+        timeout = timeout_s or self._client.options.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        breaks = 0  # a broken stream is retried once (both calls are idempotent)
+        while True:
+            call = make(next(self._ids))
+            fut: asyncio.Future[pb.LeaseAnswer] = loop.create_future()
+            stream: _Stream | None = None
+            try:
+                # The deadline covers the write too: a write stuck past it ends the stream
+                # (submit does that when cancelled mid-write), and the next call opens a new one.
+                async with asyncio.timeout_at(deadline):
+                    stream = self._stream if self.is_open else await self._open()
+                    assert stream is not None
+                    await stream.submit(call, fut)
+                    return await fut
+            except TimeoutError:
+                raise DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer on the LeaseChannel to {self.address} "
+                                       f"within {timeout:.3f} s") from None
+            except _StreamEnded as e:
+                ended = e.error
+                if ended is not None and ended.reason == "UNIMPLEMENTED":
+                    log.info("%s has no LeaseChannel: lease calls go unary", self.address)
+                    self._unary = True
+                    return None
+                if ended is not None and ended.reason == "SOCKET_FULL" and self._socket_path:
+                    # Refused before anything was read: the same call again, on the gRPC stream.
+                    log.warning("lease socket of %s is full: lease calls go over gRPC", self.address)
+                    self._socket_path = ""
+                    continue
+                if ended is not None and ended.reason not in ("UNAVAILABLE", "CANCELLED"):
+                    raise ended from None  # the server's own answer for the stream (SHUTTING_DOWN, ...)
+                breaks += 1
+                if breaks == 2 or self._closed or loop.time() >= deadline:
+                    raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} broke before the "
+                                      f"answer: {ended or 'closed'}") from None
+            finally:
+                if stream is not None:
+                    stream.pending.pop(call.call_id, None)
+
+    async def _open(self) -> _Stream:
+        async with self._connecting:  # one stream at a time, however many callers found none
+            if self._stream is not None and not self._stream.ended:
+                return self._stream
+            if self._closed:
+                raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} is closed")
+            call: Any = None
+            if self._socket_path:
+                try:
+                    max_bytes = self._client.options.max_message_bytes
+                    _, call = await asyncio.get_running_loop().create_unix_connection(
+                        lambda: SocketCall(max_bytes, pb.LeaseChannelResponse.FromString, "the lease socket"),
+                        self._socket_path)
+                except OSError as e:
+                    log.info("lease socket %s of %s unusable (%s): lease calls go over gRPC", self._socket_path,
+                             self.address, e)
+                    self._socket_path = ""
+            if call is None:
+                # No deadline: the stream lives as long as the peer; each call has its own.
+                call = self._client.channel.stream_stream(
+                    _METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
+                    response_deserializer=pb.LeaseChannelResponse.FromString)()
+            self._stream = _Stream(call)
+            return self._stream

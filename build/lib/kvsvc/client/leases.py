@@ -1,0 +1,96 @@
+"""Act on P's leases from wherever the params are held (a router, a D engine): give the
+blocks back, or keep them while the request waits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Mapping
+
+from kvsvc.client.client import AsyncClient, ClientOptions
+from kvsvc.errors import KvsvcError
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+LEASE_NOT_YET_MADE = "LEASE_NOT_YET_MADE"  # heartbeat answer: params with lease_pending, lease not made yet
+HEARTBEATS_IN_FLIGHT = 64  # per P server: a D queue of thousands must not open thousands of calls at once
+
+
+def servers_of(params: pb.TransferParams) -> list[pb.EngineServer]:
+    """The P servers holding the request's lease (params of one server name it by address alone)."""
+    return list(params.remote_servers) or [pb.EngineServer(address=params.remote_address, epoch=params.remote_epoch)]
+
+
+def _notify(params: pb.TransferParams, kind: int, server: pb.EngineServer,
+            engine_id: str) -> pb.NotifyRequest:
+    return pb.NotifyRequest(request_id=params.remote_request_id, kind=kind,  # type: ignore[arg-type]
+                            engine_id=engine_id, tp_size=1,
+                            lease_epoch=server.epoch, lease_token=params.lease_token)
+
+
+async def abort_published(params: pb.TransferParams, *, engine_id: str = "router",
+                          options: ClientOptions | None = None) -> dict[str, str]:
+    """Abort the request's lease on every P server the params name, with the lease token.
+
+    For a request that will not be transferred (the router gave up, or the D engine's
+    Transfer never reached its server: WaitTransfer said UNKNOWN). A lease that a D
+    transfer has claimed is not touched (LEASE_NOT_OWNER): that transfer frees it.
+    Returns each server's answer: a LeaseState name, or the error reason.
+    """
+
+    async def one(s: pb.EngineServer) -> tuple[str, str]:
+        try:
+            async with AsyncClient(s.address, options) as client:
+                return s.address, pb.LeaseState.Name((await client.notify(
+                    _notify(params, pb.NOTIFY_KIND_ABORTED, s, engine_id))).state)
+        except KvsvcError as e:
+            return s.address, e.reason
+
+    return dict(await asyncio.gather(*(one(s) for s in servers_of(params))))
+
+
+async def heartbeat_published(waiting: Mapping[str, pb.TransferParams], *, engine_id: str,
+                              options: ClientOptions | None = None, timeout_s: float = 5.0,
+                              channels: dict[str, AsyncClient] | None = None) -> dict[str, dict[str, str]]:
+    """Keep the leases of requests that wait (in D's queue) alive: a HEARTBEAT with each
+    lease token to every P server holding one, which extends an unclaimed lease by its
+    server's default TTL. One channel per P server for the whole batch; with `channels`
+    (address -> client, owned by the caller) the channels are kept for the next round,
+    which then costs its calls alone.
+
+    Returns, per request, each server's answer: a LeaseState name (OFFERED: kept; a final
+    state: too late, the request will fail its load), LEASE_NOT_YET_MADE (params with
+    lease_pending whose lease P has not made yet: nothing to keep so far) or the error reason.
+    """
+    by_server: dict[str, list[tuple[str, pb.TransferParams, pb.EngineServer]]] = defaultdict(list)
+    for req_id, params in waiting.items():
+        for s in servers_of(params):
+            by_server[s.address].append((req_id, params, s))
+    answers: dict[str, dict[str, str]] = defaultdict(dict)
+
+    async def to_server(address: str, items: list[tuple[str, pb.TransferParams, pb.EngineServer]]) -> None:
+        gate = asyncio.Semaphore(HEARTBEATS_IN_FLIGHT)
+
+        async def one(client: AsyncClient, req_id: str, params: pb.TransferParams, s: pb.EngineServer) -> None:
+            async with gate:
+                try:
+                    resp = await client.notify(_notify(params, pb.NOTIFY_KIND_HEARTBEAT, s, engine_id),
+                                               timeout_s=timeout_s)
+                    pending = params.lease_pending and resp.state == pb.LEASE_STATE_UNKNOWN
+                    answers[req_id][address] = LEASE_NOT_YET_MADE if pending else pb.LeaseState.Name(resp.state)
+                except KvsvcError as e:
+                    answers[req_id][address] = e.reason
+
+        try:
+            if channels is None:
+                async with AsyncClient(address, options) as client:
+                    await asyncio.gather(*(one(client, *item) for item in items))
+                return
+            if address not in channels:
+                channels[address] = AsyncClient(address, options)
+            await asyncio.gather(*(one(channels[address], *item) for item in items))
+        except KvsvcError as e:  # the channel itself (TLS files, a bad address)
+            for req_id, _, _ in items:
+                answers[req_id].setdefault(address, e.reason)
+
+    await asyncio.gather(*(to_server(a, items) for a, items in by_server.items()))
+    return dict(answers)

@@ -1,0 +1,387 @@
+"""Transfer over one TransferStream to a D server: what an engine that runs many uses.
+
+A unary Transfer is a whole gRPC call; on a stream each transfer is a message (the proto
+says how the server treats them). TransferChannel.transfer() takes and answers what
+AsyncClient.transfer() does -- the same response, the same errors with their details --
+so a caller can switch by changing one line:
+
+- the transfer's deadline travels in the message (timeout_ms) and is also kept here: a
+  server that does not answer in time gives DEADLINE_EXCEEDED, as a unary call would;
+- a caller that is cancelled gives the transfer up on the server too (cancel_request_ids);
+- a stream that breaks before an answer leaves that transfer's outcome unknown, like a
+  lost unary call: UNAVAILABLE (ask AsyncClient.settled() before reusing the blocks);
+  the next transfer opens a fresh stream;
+- a second transfer with a request id already waiting on this channel, and every
+  transfer to a server without TransferStream (UNIMPLEMENTED), go as unary calls.
+
+A D server on the same host may offer its engine a Unix socket for the same messages
+(GetInfoResponse.transfer_socket; client/framing.py has the framing): the stream then
+runs there, at a tenth of gRPC's cost per message. The channel asks GetInfo once, when it
+first opens a stream; a socket that cannot be connected to (another host, another user,
+a server gone) is asked for again once, then given up for gRPC; a socket connection that
+breaks is like a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
+from kvsvc.client.client import AsyncClient, blocks_proto
+from kvsvc.client.errors import error_from_rpc, error_from_status
+from kvsvc.client.framing import TRANSFER_SOCKET_NAME, SocketCall, socket_path_of
+from kvsvc.errors import DeadlineExceeded, Internal, KvsvcError, Unavailable
+from kvsvc.limits import MAX_STREAM_CALLS
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_METHOD = "/kvsvc.v1.KvTransferService/TransferStream"
+
+# How long a new stream waits for the server's headers before it writes anyway.
+HEADERS_WAIT_S = 2.0
+
+# After a failed write, how long the reader may take to bring the server's status.
+STATUS_WAIT_S = 2.0
+
+# The timeout_ms field holds at most this (~49 days).
+_MAX_TIMEOUT_MS = (1 << 32) - 1
+
+
+class _Ended(Exception):
+    """The stream ended before the answer; error says how (None: closed)."""
+
+    def __init__(self, error: KvsvcError | None) -> None:
+        super().__init__(str(error) if error else "the TransferStream ended")
+        self.error = error
+
+
+class _Carrier:
+    """What both carriers of a TransferStream keep: the transfers waiting for answers, what
+    is queued to be sent, and how the stream ends."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.pending: dict[str, asyncio.Future[pb.TransferAnswer]] = {}
+        self.starts: list[pb.TransferCall] = []
+        self.cancels: list[str] = []
+        self.ended = False
+
+    def queue(self, start: pb.TransferCall | None, cancel: str | None) -> None:
+        if self.ended:
+            raise _Ended(None)
+        if start is not None:
+            self.starts.append(start)
+        if cancel is not None:
+            self.cancels.append(cancel)
+
+    def next_message(self) -> pb.TransferStreamRequest | None:
+        """The next message of what is queued (None: nothing, or the stream ended)."""
+        if self.ended or not (self.starts or self.cancels):
+            return None
+        starts, self.starts = self.starts[:MAX_STREAM_CALLS], self.starts[MAX_STREAM_CALLS:]
+        cancels, self.cancels = self.cancels[:MAX_STREAM_CALLS], self.cancels[MAX_STREAM_CALLS:]
+        return pb.TransferStreamRequest(transfers=starts, cancel_request_ids=cancels)
+
+    def answered(self, resp: pb.TransferStreamResponse) -> None:
+        for answer in resp.answers:
+            fut = self.pending.pop(answer.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(answer)
+
+    def _end(self, error: KvsvcError | None) -> None:
+        """In one step, without awaiting: nothing can join this stream after it ended."""
+        if self.ended:
+            return
+        self.ended = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(_Ended(error))
+        self.pending.clear()
+        self.starts.clear()
+        self.cancels.clear()
+        self.call.cancel()
+
+
+class _Stream(_Carrier):
+    """One open TransferStream call, and a reader that hands answers to their callers.
+    Whoever has something to send while no write is in flight writes, and keeps writing
+    what others queued meanwhile."""
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(call)
+        self.writing = False
+        self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-transfer-stream")
+
+    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
+        self.queue(start, cancel)
+        if self.writing:
+            return  # the write in flight sends it next
+        self.writing = True
+        try:
+            while (msg := self.next_message()) is not None:
+                await self.call.write(msg)
+        except BaseException as e:
+            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
+            # so the stream ends (its transfers' outcomes are unknown, as for a lost call).
+            # A write into a call the server already ended (a refusal such as NOT_AN_ENGINE)
+            # fails with gRPC's own error; the reader is about to get the server's status,
+            # which is the stream's end: it is given a moment to say it first.
+            if not isinstance(e, asyncio.CancelledError) and not self.ended:
+                await asyncio.wait([self.reader], timeout=STATUS_WAIT_S)
+            self._end(Unavailable("UNAVAILABLE", f"the TransferStream write failed: {type(e).__name__}"))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self.writing = False
+
+    async def _read(self) -> None:
+        error: KvsvcError | None = None
+        try:
+            async for resp in self.call:
+                self.answered(resp)
+        except grpc.aio.AioRpcError as e:
+            error = error_from_rpc(e)
+        except asyncio.CancelledError:
+            error = Unavailable("UNAVAILABLE", "the TransferStream was closed")
+        finally:
+            self._end(error)
+
+    async def close(self) -> None:
+        self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+class _SocketStream(_Carrier):
+    """One TransferStream on the transfer socket, as _Stream is on gRPC: what is to be sent
+    in a loop turn goes out as one frame at its end (a callback: no caller's cancellation
+    can cut a message in two), and answers are handed over as they are read."""
+
+    def __init__(self, call: SocketCall) -> None:
+        super().__init__(call)
+        self.flush_due = False
+        call.attach(self._deliver, self._end)
+
+    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
+        self.queue(start, cancel)
+        if not self.flush_due:
+            self.flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_due = False
+        try:
+            while (msg := self.next_message()) is not None:
+                self.call.write_now(msg)
+        except Exception as e:
+            self._end(Unavailable("UNAVAILABLE", f"the transfer socket write failed: {type(e).__name__}: {e}"))
+
+    def _deliver(self, resp: pb.TransferStreamResponse) -> None:
+        self.answered(resp)
+        if resp.stream_error:
+            self._end(_status_error(resp.stream_error, "the transfer socket's end"))
+
+    async def close(self) -> None:
+        self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
+
+
+class TransferChannel:
+    """transfer() like AsyncClient's, over one TransferStream to client's server."""
+
+    def __init__(self, client: AsyncClient, carrier: str = "auto") -> None:
+        if carrier not in ("auto", "grpc"):
+            raise ValueError(f"carrier must be 'auto' or 'grpc', not {carrier!r}")
+        self._client = client
+        self._opening = asyncio.Lock()
+        self._stream: _Stream | _SocketStream | None = None
+        self._unary = False
+        self._closed = False
+        # The server's transfer socket: None until GetInfo was asked, "" when there is none
+        # (or it cannot be used from here, or the carrier is gRPC, or TLS is on).
+        self._socket_path: str | None = None if carrier == "auto" and client.options.credentials() is None else ""
+        self.streams_opened = 0  # streams opened so far (a broken one is replaced on the next transfer)
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    @property
+    def carrier(self) -> str:
+        """What the open stream runs on: "socket" or "grpc" ("unary" once transfers go as
+        calls; "" before the first stream)."""
+        if self._unary:
+            return "unary"
+        if self._stream is None:
+            return ""
+        return "socket" if isinstance(self._stream, _SocketStream) else "grpc"
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a stream is open now (it opens on the first transfer, and again after a break)."""
+        return self._stream is not None and not self._stream.ended
+
+    async def transfer(
+        self, request_id: str, params: pb.TransferParams, local_block_ids_per_group: Sequence[Sequence[int]],
+        *, timeout_s: float | None = None, traceparent: str = "",
+    ) -> pb.TransferResponse:
+        """As AsyncClient.transfer (timeout_s: this transfer's deadline, the client's default if None)."""
+        req = pb.TransferRequest(request_id=request_id, params=params,
+                                 local_block_ids_per_group=blocks_proto(local_block_ids_per_group))
+        return await self.transfer_request(req, timeout_s=timeout_s, traceparent=traceparent)
+
+    async def transfer_request(self, req: pb.TransferRequest, *, timeout_s: float | None = None,
+                               traceparent: str = "") -> pb.TransferResponse:
+        timeout = timeout_s or self._client.options.timeout_s
+        try:
+            stream = None if self._unary or self._closed else await self._open()
+        except KvsvcError as e:
+            if e.reason != "UNIMPLEMENTED":
+                raise  # the server refused the stream (NOT_AN_ENGINE, SHUTTING_DOWN, ...)
+            log.info("%s has no TransferStream: transfers go unary", self.address)
+            self._unary, stream = True, None
+        if stream is None or req.request_id in stream.pending:
+            return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
+        fut: asyncio.Future[pb.TransferAnswer] = asyncio.get_running_loop().create_future()
+        stream.pending[req.request_id] = fut
+        call = pb.TransferCall(request=req, timeout_ms=min(_MAX_TIMEOUT_MS, max(1, int(timeout * 1000))),
+                               traceparent=traceparent)
+        answered = False
+        try:
+            async with asyncio.timeout(timeout):
+                await stream.send(start=call)
+                answer = await fut
+            answered = True
+        except TimeoutError:
+            raise DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer from {self.address} for transfer "
+                                   f"{req.request_id!r} within {timeout:.3f} s") from None
+        except _Ended as e:
+            answered = True  # nothing left to give up on that stream
+            if e.error is not None and e.error.reason == "UNIMPLEMENTED":
+                log.info("%s has no TransferStream: transfers go unary", self.address)
+                self._unary = True
+                return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
+            if e.error is not None and e.error.reason == "SOCKET_FULL" and self._socket_path:
+                # The socket refused the connection before reading anything: nothing started
+                # there, so the same transfer goes over the gRPC stream (and later ones too).
+                log.warning("transfer socket of %s is full: transfers go over gRPC", self.address)
+                self._socket_path = ""
+                return await self.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
+            if e.error is not None and e.error.reason not in ("UNAVAILABLE", "CANCELLED"):
+                raise e.error from None  # the server's own end of the stream (SHUTTING_DOWN, NOT_AN_ENGINE, ...)
+            raise Unavailable("UNAVAILABLE", f"the TransferStream to {self.address} broke before the answer "
+                              f"to {req.request_id!r}: {e.error or 'closed'}") from None
+        finally:
+            if stream.pending.get(req.request_id) is fut:
+                del stream.pending[req.request_id]
+            if not answered and not stream.ended:
+                # Cancelled or timed out here: give it up on the server too (as a unary caller
+                # going away would), without waiting for that message to go out.
+                self._spawn_cancel(stream, req.request_id)
+        if answer.WhichOneof("result") == "response":
+            return answer.response
+        raise _error_of(answer)
+
+    def _spawn_cancel(self, stream: _Stream | _SocketStream, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(stream.send(cancel=request_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a broken stream gave it up anyway
+
+    async def _open(self) -> _Stream | _SocketStream:
+        if self._stream is not None and not self._stream.ended:
+            return self._stream
+        async with self._opening:  # one stream at a time, however many callers found none
+            if self._stream is None or self._stream.ended:
+                stream: _Stream | _SocketStream | None = await self._open_socket()
+                if stream is None:
+                    # No deadline: the stream lives as long as the channel; each transfer has its own.
+                    call = self._client.channel.stream_stream(
+                        _METHOD, request_serializer=pb.TransferStreamRequest.SerializeToString,
+                        response_deserializer=pb.TransferStreamResponse.FromString)()
+                    self.streams_opened += 1  # opened, even if the server then refuses it
+                    await _accepted(call)
+                    stream = _Stream(call)
+                else:
+                    self.streams_opened += 1
+                self._stream = stream
+            return self._stream
+
+    async def _open_socket(self) -> _SocketStream | None:
+        """A stream on the server's transfer socket, or None (then gRPC): the path GetInfo
+        gave, asked again once if it no longer connects (the server restarted)."""
+        for _attempt in range(2):
+            if self._socket_path == "":
+                return None
+            asked = self._socket_path is None
+            if self._socket_path is None:
+                try:
+                    info = await self._client.get_info()
+                except KvsvcError as e:
+                    log.info("GetInfo of %s failed (%s): transfers go over the gRPC stream", self.address, e)
+                    self._socket_path = ""
+                    return None
+                self._socket_path = socket_path_of(info.transfer_socket, TRANSFER_SOCKET_NAME)
+                if not self._socket_path:
+                    return None
+            call = await self._connect(self._socket_path)
+            if call is not None:
+                return _SocketStream(call)
+            self._socket_path = "" if asked else None  # a path just given is given up; an older one asked again
+        return None
+
+    async def _connect(self, path: str) -> SocketCall | None:
+        max_bytes = self._client.options.max_message_bytes
+        try:
+            _, call = await asyncio.get_running_loop().create_unix_connection(
+                lambda: SocketCall(max_bytes, pb.TransferStreamResponse.FromString, "the transfer socket"), path)
+        except OSError as e:
+            log.info("transfer socket %s of %s unusable (%s)", path, self.address, e)
+            return None
+        return call  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        """Close the stream: transfers still waiting on it are given up (on the server too,
+        which gives up every transfer of a stream that ends); later transfers go as unary calls."""
+        self._closed = True
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
+
+
+async def _accepted(call: Any) -> None:
+    """Return once the server took the stream (its headers came); raise its refusal.
+
+    A refused stream ends with its headers (trailers only): reading that before the first
+    write keeps the server's reason (NOT_AN_ENGINE, SHUTTING_DOWN, UNIMPLEMENTED), which a
+    write into the ended call would turn into gRPC's own INTERNAL. A server that sends its
+    headers only with its first answer (an older kvsvc) is not waited for past HEADERS_WAIT_S.
+    """
+    headers = asyncio.ensure_future(call.initial_metadata())
+    await asyncio.wait([headers], timeout=HEADERS_WAIT_S)
+    if not headers.done():
+        headers.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return
+    if headers.exception() is None and not call.done():
+        return
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        raise error_from_rpc(e) from None
+    raise Unavailable("UNAVAILABLE", "the TransferStream ended as it opened")
+
+
+def _error_of(answer: pb.TransferAnswer) -> KvsvcError:
+    return _status_error(answer.error_status, "error")
+
+
+def _status_error(data: bytes, what: str) -> KvsvcError:
+    try:
+        return error_from_status(status_pb2.Status.FromString(data))
+    except DecodeError:
+        return Internal("INTERNAL", f"the D server answered an unreadable {what} ({len(data)} bytes)")

@@ -1,0 +1,1 @@
+"""kvsvc inside inference engines (vllm: a KV connector for vLLM)."""

@@ -1,0 +1,180 @@
+"""vLLM's KV caches as a kvsvc layout, and the per-region views kvsvc registers in place.
+
+Read from vLLM's KVCacheConfig (groups, layer names, specs) and the tensors it
+allocated, never from a copy. vLLM 0.32 hands every backend, CPU and GPU alike, a layer as
+the logical view [blocks, heads, tokens, head_size + head_size_v] (K and V packed per token
+inside each head: kvsvc's packed_kv) whose strides carry the resolved KV cache layout:
+LBHNC (heads outside tokens: HND, what the connector asks for, since a TP pair that
+splits heads needs each head's rows contiguous) or LBNHC (NHD: equal TP only). MLA is the
+latent [blocks, tokens, head_size] (or with a head axis of one). Also read: the split K/V
+tensors [2, blocks, tokens, heads, head_size] some backends allocate.
+
+A backend's kernel block may be smaller than vLLM's block (vLLM then splits each block
+into blocks_per_logical kernel blocks, dim 0 counting kernel blocks): kvsvc's layout then
+uses the kernel block, and the connector turns vLLM's block ids into kernel block ids
+(kernel_block_ids). Layouts that interleave layers inside a block (BLHNC, BLNHC, BHLNC)
+or pad pages are refused with what to set instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvsvc.errors import FailedPrecondition
+
+_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32",
+           "torch.float8_e4m3fn": "float8_e4m3", "torch.float8_e5m2": "float8_e5m2", "torch.uint8": "uint8"}
+
+
+@dataclass
+class CacheDescription:
+    """The layout table (for kvsvc's config), one buffer per region in region order, and how
+    many kernel blocks (kvsvc's blocks) make one of vLLM's blocks."""
+
+    table: dict[str, Any]
+    buffers: list[Any]
+    blocks_per_logical: int = 1
+
+
+@dataclass
+class LayerViews:
+    """One layer read from its tensor: the region views and what the tensor says of its layout."""
+
+    views: list[Any]
+    region_layout: str  # kvsvc's: packed_kv, split_kv, or "latent" for MLA
+    memory_layout: str  # HND or NHD
+    kernel_block: int  # tokens per block of the tensor (vLLM's kernel block)
+    num_blocks: int  # blocks of the tensor (kernel blocks)
+
+
+def _refuse(message: str, **meta: object) -> FailedPrecondition:
+    return FailedPrecondition("UNSUPPORTED_KV_LAYOUT", message, {k: str(v) for k, v in meta.items()})
+
+
+def _dtype(t: Any) -> str:
+    name = str(t.dtype)
+    if name not in _DTYPES:
+        raise _refuse(f"KV dtype {name} is not supported", dtype=name)
+    return _DTYPES[name]
+
+
+def _layer_compact(name: str, t: Any, block_bytes: int) -> None:
+    """A block of the layer must be one dense run of the region's bytes (a layer-compact,
+    unpadded layout); kvsvc's regions step by exactly one block."""
+    stride = int(t.stride(0)) * t.element_size()
+    if t.shape[0] > 1 and stride != block_bytes:
+        raise _refuse(f"layer {name}: its blocks lie {stride} bytes apart but hold {block_bytes} (vLLM's KV cache "
+                      f"layout interleaves layers inside a block, such as BLHNC, or pads pages); kvsvc needs a "
+                      f"layer-compact layout: KvsvcConnector asks vLLM for LBHNC, so a backend that cannot use it "
+                      f"decides here; set VLLM_KV_CACHE_LAYOUT=LBHNC (or LBNHC for equal TP only)",
+                      layer=name, block_stride_bytes=stride, block_bytes=block_bytes)
+
+
+def _attention_views(name: str, t: Any, spec: Any) -> LayerViews:
+    """The region views of one attention layer's tensor, and the layout its strides say."""
+    heads, hs = spec.num_kv_heads, spec.head_size
+    hv = getattr(spec, "head_size_v", None) or hs
+    e = t.element_size()
+    if t.dim() == 4 and t.shape[1] == heads and t.shape[3] == hs + hv:
+        # vLLM's logical [blocks, heads, tokens, K+V]; the strides say which of heads and
+        # tokens is outer. One head: both orders are the same bytes.
+        hnd = heads == 1 or t.stride(1) >= t.stride(2)
+        view = t if hnd else t.transpose(1, 2)  # physical order: each block one dense run
+        _layer_compact(name, view, heads * t.shape[2] * (hs + hv) * e)
+        return LayerViews([view], "packed_kv", "HND" if hnd else "NHD", int(t.shape[2]), int(t.shape[0]))
+    if t.dim() == 5 and t.shape[0] == 2 and hs == hv and t.shape[3] == heads and t.shape[4] == hs:
+        # Split K/V: [2, blocks, tokens, heads, head_size], the physical order in the strides.
+        hnd = heads > 1 and t.stride(3) > t.stride(2)
+        k, v = t[0], t[1]
+        if hnd:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        _layer_compact(name, k, heads * t.shape[2] * hs * e)
+        return LayerViews([k, v], "split_kv", "HND" if hnd else "NHD", int(t.shape[2]), int(t.shape[1]))
+    raise _refuse(f"layer {name}: KV tensor of shape {tuple(t.shape)} is not a layout kvsvc knows "
+                  f"(heads {heads}, block {spec.block_size}, head sizes {hs}/{hv}; kvsvc reads [blocks, heads, "
+                  f"tokens, {hs + hv}] and [2, blocks, tokens, heads, {hs}])", layer=name, shape=tuple(t.shape))
+
+
+def _latent_views(name: str, t: Any, spec: Any) -> LayerViews:
+    """An MLA layer as [blocks, tokens, head_size]: GPU backends allocate it so, vLLM's logical
+    view and the CPU backend with a head axis of one ([blocks, 1, tokens, head_size])."""
+    hs = spec.head_size
+    if t.dim() == 3 and t.shape[2] == hs:
+        view = t
+    elif t.dim() == 4 and t.shape[3] == hs and 1 in (t.shape[1], t.shape[2]):
+        view = t.flatten(1, 2)  # a view: the axis of one adds no stride
+    else:
+        raise _refuse(f"MLA layer {name}: tensor of shape {tuple(t.shape)} (block {spec.block_size}, latent {hs})",
+                      layer=name, shape=tuple(t.shape))
+    _layer_compact(name, view, int(view.shape[1]) * hs * t.element_size())
+    return LayerViews([view], "latent", "HND", int(view.shape[1]), int(view.shape[0]))
+
+
+def _blocks_per_logical(name: str, spec: Any, kernel_block: int) -> int:
+    if kernel_block <= 0 or spec.block_size % kernel_block:
+        raise _refuse(f"layer {name}: kernel blocks of {kernel_block} tokens do not divide vLLM's block of "
+                      f"{spec.block_size}", layer=name, kernel_block=kernel_block, block_size=spec.block_size)
+    return spec.block_size // kernel_block
+
+
+def kernel_block_ids(block_ids: Any, blocks_per_logical: int) -> list[list[int]]:
+    """vLLM's block ids (per group) as the kernel block ids kvsvc's layout counts: block b is
+    kernel blocks b*n .. b*n+n-1 (vLLM's own split, which keeps token order)."""
+    n = blocks_per_logical
+    if n == 1:
+        return [[int(b) for b in group] for group in block_ids]
+    return [[int(b) * n + j for b in group for j in range(n)] for group in block_ids]
+
+
+def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: str, total_num_kv_heads: int,
+             dcp_size: int = 1) -> CacheDescription:
+    """The kvsvc layout of one worker's caches and the views to register, in kvsvc's region order."""
+    groups: list[dict[str, Any]] = []
+    buffers: list[Any] = []
+    region = memory = None
+    facts: dict[str, Any] = {}  # what every layer must share: blocks, dtype, kernel block, split
+    for gi, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec, names = group.kv_cache_spec, list(group.layer_names)
+        kind = type(spec).__name__
+        if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"):
+            raise _refuse(f"KV cache group {gi} is {kind}; kvsvc's vLLM connector moves full, sliding-window "
+                          "and MLA attention", group=gi, spec=kind)
+        entry: dict[str, Any] = {"name": f"g{gi}", "num_layers": len(names), "head_size": spec.head_size}
+        for name in names:
+            if name not in kv_caches:
+                raise _refuse(f"layer {name} of group {gi} has no KV tensor", layer=name)
+            t = kv_caches[name]
+            lv = _latent_views(name, t, spec) if kind == "MLAAttentionSpec" else _attention_views(name, t, spec)
+            if lv.region_layout != "latent":
+                if (region or lv.region_layout, memory or lv.memory_layout) != (lv.region_layout, lv.memory_layout):
+                    raise _refuse("layers use different KV layouts", layer=name)
+                region, memory = lv.region_layout, lv.memory_layout
+            these = {"blocks": lv.num_blocks, "dtype": _dtype(t), "kernel block": lv.kernel_block,
+                     "kernel blocks per block": _blocks_per_logical(name, spec, lv.kernel_block)}
+            differ = [k for k, v in these.items() if facts.setdefault(k, v) != v]
+            if differ:
+                raise _refuse(f"layer {name} differs from the others in {', '.join(differ)}: kvsvc describes one "
+                              "block geometry per engine", layer=name, **{k.replace(" ", "_"): these[k]
+                                                                          for k in differ})
+            buffers.extend(lv.views)
+        if kind == "MLAAttentionSpec":
+            entry["kind"] = "mla"
+        elif kind == "SlidingWindowSpec":
+            entry.update(kind="sliding_window", sliding_window=spec.sliding_window)
+        else:
+            entry.update(kind="full_attention", head_size_v=getattr(spec, "head_size_v", 0) or 0)
+        groups.append(entry)
+    if not groups:
+        raise _refuse("the engine has no KV cache groups")
+    per_logical = facts["kernel blocks per block"]
+    if per_logical > 1 and dcp_size > 1:
+        raise _refuse(f"decode context parallelism interleaves tokens by vLLM's block, and the attention backend "
+                      f"splits each block into {per_logical} kernel blocks: run DCP with --block-size equal to "
+                      f"the kernel block ({facts['kernel block']})", dcp_size=dcp_size,
+                      kernel_block=facts["kernel block"])
+    table = {"model_id": model_id, "total_num_kv_heads": total_num_kv_heads, "block_size": facts["kernel block"],
+             "num_blocks": facts["blocks"], "dtype": facts["dtype"], "groups": groups, "dcp_size": dcp_size,
+             "kv_memory_layout": memory or "HND", "region_layout": region or "split_kv"}
+    return CacheDescription(table, buffers, per_logical)

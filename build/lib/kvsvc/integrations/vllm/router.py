@@ -1,0 +1,189 @@
+"""A minimal prefill/decode router for vLLM engines that use KvsvcConnector.
+
+    python -m kvsvc.integrations.vllm.router --prefill http://P:8100 --decode http://D:8200 --port 8000
+
+Clients talk to it as to one OpenAI-compatible vLLM server (/v1/completions,
+/v1/chat/completions, /v1/models). Each request goes to a prefill engine first, with
+"kv_transfer_params": {"do_remote_decode": true} and one output token, then to a
+decode engine with the kv_transfer_params P answered, unchanged; D's answer (streamed
+or not) is the client's. Both engines get the same X-Request-Id (the client's, or one
+the router makes), so one request has one id in every log. Engines are taken round
+robin. If P fails, its error is the answer; a client that goes away while D works
+closes D's request, which vLLM aborts (and kvsvc then gives P's blocks back).
+
+Time limits: P's call is bounded (--timeout-s: one token); D's answer is not, as a long
+generation may stream for as long as it needs -- only connecting to D is bounded.
+/health answers 200 while at least one prefill and one decode engine answer their own
+/health, else 503; both list each engine's state. /v1/models lists the models that some
+prefill and some decode engine both serve.
+
+It is an example of the protocol, small enough to read in one go: a production router
+adds load-aware choice and retries. Needs aiohttp (vLLM depends on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+log = logging.getLogger("kvsvc.router")
+
+FORWARDED_HEADERS = ("authorization",)
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 256
+CONNECT_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 5.0
+KEEPALIVE_S = 2.0
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What P gets: the request, producing one token, leasing its KV for a decode engine."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    if "max_completion_tokens" in body:  # chat's name for it wins over max_tokens
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """What D gets: the client's request, with P's kv_transfer_params as P gave them."""
+    return {**body, "kv_transfer_params": params}
+
+
+def request_id(given: str | None) -> str:
+    """The client's X-Request-Id when it is usable, else a new one: sent to P and D alike."""
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "BadRequest"}}, status=400)
+
+
+class Router:
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float) -> None:
+        self.prefill_urls = [u.rstrip("/") for u in prefill]
+        self.decode_urls = [u.rstrip("/") for u in decode]
+        self._prefill = itertools.cycle(self.prefill_urls)
+        self._decode = itertools.cycle(self.decode_urls)
+        self._prefill_timeout = ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+        # No total: D streams a long generation for as long as it takes.
+        self._decode_timeout = ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        self._probe_timeout = ClientTimeout(total=PROBE_TIMEOUT_S)
+        self._session: ClientSession | None = None
+
+    async def start(self, app: web.Application) -> None:
+        # Idle connections are dropped well before the engines drop them (vLLM's HTTP server
+        # closes one after 5 s idle): a request sent on one the engine just closed fails
+        # with "Server disconnected", and a POST is not retried.
+        self._session = ClientSession(connector=TCPConnector(keepalive_timeout=KEEPALIVE_S))
+
+    async def stop(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return _bad_request("the body is not JSON")
+        if not isinstance(body, dict):
+            return _bad_request("the body must be a JSON object")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers[REQUEST_ID_HEADER] = request_id(request.headers.get(REQUEST_ID_HEADER))
+        path = request.path
+        async with self._session.post(next(self._prefill) + path, json=prefill_body(body), headers=headers,
+                                      timeout=self._prefill_timeout) as p:
+            answer = await p.read()
+            if p.status != 200:
+                return web.Response(body=answer, status=p.status, content_type=p.content_type)
+            params = json.loads(answer).get("kv_transfer_params")
+        if not params:
+            log.warning("prefill engine returned no kv_transfer_params for %s: the decode engine prefills itself",
+                        headers[REQUEST_ID_HEADER])
+        async with self._session.post(next(self._decode) + path, json=decode_body(body, params), headers=headers,
+                                      timeout=self._decode_timeout) as d:
+            out = web.StreamResponse(status=d.status, headers={
+                "Content-Type": d.headers.get("Content-Type", "application/json"),
+                REQUEST_ID_HEADER: headers[REQUEST_ID_HEADER]})
+            await out.prepare(request)
+            async for chunk in d.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def _get(self, url: str) -> tuple[int, Any]:
+        """(HTTP status, JSON body or None) of a GET to an engine; status 0 when it did not answer."""
+        assert self._session is not None
+        try:
+            # A probe's connection is closed after it: it must not be pooled for a request.
+            async with self._session.get(url, timeout=self._probe_timeout, headers={"Connection": "close"}) as r:
+                try:
+                    return r.status, await r.json(content_type=None)
+                except (json.JSONDecodeError, ValueError):
+                    return r.status, None
+        except (TimeoutError, ClientError, OSError):
+            return 0, None
+
+    async def health(self, request: web.Request) -> web.Response:
+        async def state(url: str) -> str:
+            status, _ = await self._get(url + "/health")
+            return "ok" if status == 200 else f"down ({status or 'no answer'})"
+
+        prefill = await asyncio.gather(*(state(u) for u in self.prefill_urls))
+        decode = await asyncio.gather(*(state(u) for u in self.decode_urls))
+        ready = "ok" in prefill and "ok" in decode
+        return web.json_response({"status": "ok" if ready else "unavailable",
+                                  "prefill": dict(zip(self.prefill_urls, prefill, strict=True)),
+                                  "decode": dict(zip(self.decode_urls, decode, strict=True))},
+                                 status=200 if ready else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        async def served(url: str) -> dict[str, Any]:
+            status, body = await self._get(url + "/v1/models")
+            data = body.get("data") if status == 200 and isinstance(body, dict) else None
+            return {m["id"]: m for m in data or () if isinstance(m, dict) and isinstance(m.get("id"), str)}
+
+        prefill = await asyncio.gather(*(served(u) for u in self.prefill_urls))
+        decode = await asyncio.gather(*(served(u) for u in self.decode_urls))
+        on_p = set().union(*prefill)
+        both = {mid: m for per in decode for mid, m in per.items() if mid in on_p}
+        return web.json_response({"object": "list", "data": list(both.values())})
+
+
+def make_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> web.Application:
+    router = Router(prefill, decode, timeout_s)
+    app = web.Application()
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    app.router.add_post("/v1/completions", router.proxy)
+    app.router.add_post("/v1/chat/completions", router.proxy)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvsvc.integrations.vllm.router", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", nargs="+", required=True, help="prefill engines' base URLs (http://host:port)")
+    ap.add_argument("--decode", nargs="+", required=True, help="decode engines' base URLs")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--timeout-s", type=float, default=600.0,
+                    help="limit of one prefill call (D's answer has none: it streams as long as it generates)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(make_app(args.prefill, args.decode, args.timeout_s), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""The worker side of the connector: an embedded kvsvc server per worker, and D's transfers.
+
+Each vLLM worker (one TP rank) runs a kvsvc server on its own thread and event loop,
+handed the worker's KV tensors in place; a TP-N engine is an engine over N servers.
+D: each request in the step's metadata becomes a Transfer on this worker's server (its
+rank's reads), run on the server's loop while the model keeps stepping. P: the step's
+metadata names the leases to make (under tokens the scheduler minted) and to take back;
+the worker makes them on its own server, in process, on the server's loop; the server's
+release stream says when D is done with a request's blocks (consumed, expired or
+aborted); vLLM frees them once every worker reported it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client.client import ReleaseStream
+from kvsvc.client.leases import LEASE_NOT_YET_MADE, abort_published, heartbeat_published, servers_of
+from kvsvc.client.transfer_stream import TransferChannel
+from kvsvc.config import Role, load_config
+from kvsvc.errors import KvsvcError
+from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
+from kvsvc.integrations.vllm.loop import LoopThread
+from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
+from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
+from kvsvc.leases.table import NotifyKind
+from kvsvc.service import prefill
+from kvsvc.service.server import RunningServer, create_server
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
+
+TRANSFER_TIMEOUT_S = 120.0
+# Far more requests than can finish within any lease's lifetime.
+FINISHED_REMEMBERED = 1 << 18
+# Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
+# handed out a step before P's workers make the lease: it may not exist yet).
+KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def _dialable(listen_host: str) -> str:
+    """Where this process reaches a server listening on listen_host: that address itself, or
+    loopback for a wildcard (a server bound to one host address is not on 127.0.0.1)."""
+    return "127.0.0.1" if listen_host in WILDCARDS else listen_host
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _log_under_vllm() -> None:
+    """The embedded server's own log lines (kvsvc.*) go where vLLM's go, at vLLM's level."""
+    ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
+class KvsvcWorker:
+    def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
+                 advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
+                 client_options: ClientOptions | None = None, heartbeat_s: float = LEASE_HEARTBEAT_S,
+                 listen_port: int = 0) -> None:
+        self.engine_id, self.role, self.tp_rank, self.tp_size = engine_id, role, tp_rank, tp_size
+        self._listen_host, self._advertise_host = listen_host, advertise_host or listen_host
+        self._listen_port = listen_port
+        self._overrides = dict(server_overrides or {})
+        self._options = client_options
+        self._loop = LoopThread(f"kvsvc-worker-{tp_rank}")
+        self._server: RunningServer | None = None
+        self._client: AsyncClient | None = None
+        # D: transfers go as messages on one TransferStream to this rank's server (made on
+        # the first one, on the worker's loop): a unary call each costs both ends more CPU.
+        self._transfers: TransferChannel | None = None
+        self._tasks: dict[str, asyncio.Task[Any]] = {}  # running transfers, on the loop
+        self._given_up: set[str] = set()  # cancelled before their task ran
+        self.info: ServerInfo | None = None
+        self._blocks_per_logical = 1  # kernel blocks (kvsvc's blocks) in one of vLLM's blocks
+        # Rank 0: P leases of the requests waiting in D's queue, heartbeated on the loop.
+        self._heartbeat_s = heartbeat_s
+        self._kept: dict[str, pb.TransferParams] = {}
+        self._keeper: asyncio.Future[None] | None = None
+        self._beat_now = asyncio.Event()
+        self._heartbeat_channels: dict[str, AsyncClient] = {}  # P server address -> kept channel (on the loop)
+        self._lock = threading.Lock()
+        self._running: dict[str, concurrent.futures.Future[Any]] = {}
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        # P: leases kvsvc released, and the requests whose blocks vLLM keeps for them (the
+        # scheduler's word, in the metadata); a request is reported finished sending once it
+        # is in both. Bounded, oldest dropped: most releases of requests vLLM did not delay
+        # never match (a publish that timed out on the scheduler but was applied).
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._delayed: OrderedDict[str, None] = OrderedDict()
+        self._early_failed: OrderedDict[str, None] = OrderedDict()  # early leases refused (on the loop)
+        self._stopping = False
+        self._release_stream: ReleaseStream | None = None
+        self._stats = KvsvcConnectorStats()  # since vLLM last took them
+        # Since start, for whoever asks (vLLM takes the stats above every step).
+        self._totals = {"loaded": 0, "failed": 0, "cancelled": 0, "bytes": 0}
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def start(self, description: CacheDescription) -> ServerInfo:
+        _log_under_vllm()
+        port = self._listen_port + self.tp_rank if self._listen_port else 0  # fixed: base + rank
+        config = load_config(listen=f"{self._listen_host}:{port}", engine_id=self.engine_id, role=self.role,
+                             tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
+                             **self._overrides)
+
+        async def boot() -> tuple[RunningServer, AsyncClient, int]:
+            server, port = await create_server(config, external_pools={self.tp_rank: description.buffers})
+            client = AsyncClient(_host_port(_dialable(self._listen_host), port), self._options)
+            return server, client, port
+
+        self._server, self._client, port = self._loop.run(boot(), 60)
+        self._loop.submit(self._loop.watch_stalls())
+        info = self._loop.run(self._client.get_info(), 10)
+        self._blocks_per_logical = description.blocks_per_logical
+        self.info = ServerInfo(_host_port(self._advertise_host, port), info.epoch, self.tp_rank,
+                               description.blocks_per_logical)
+        if self.role in (Role.PREFILL, Role.BOTH):  # subscribed before any lease can exist
+            stream = self._loop.run(self._client.open_release_stream(), 10)
+            self._loop.submit(self._watch_releases(stream))
+        log.info("kvsvc: rank %d serves its KV at %s", self.tp_rank, self.info.address)
+        return self.info
+
+    async def _watch_releases(self, stream: ReleaseStream) -> None:
+        """P: every lease this rank's server releases. A stream that ends (WATCH_BEHIND when
+        this loop fell 64 MiB behind, a broken connection) is logged and opened again, and
+        the requests vLLM still holds blocks for are looked up: one with no live lease any
+        more was released while nobody listened. Never raises into vLLM."""
+        delay = 0.05
+        while True:
+            self._release_stream = stream
+            try:
+                async for ev in stream:
+                    self._record_release(ev.request_id, pb.ReleaseReason.Name(ev.reason))
+                    delay = 0.05
+                if self._stopping:
+                    return
+                log.warning("kvsvc: rank %d's release stream ended; subscribing again", self.tp_rank)
+            except asyncio.CancelledError:
+                if self._stopping:
+                    raise
+                log.warning("kvsvc: rank %d's release stream was cancelled; subscribing again", self.tp_rank)
+            except Exception as e:
+                if self._stopping:
+                    return
+                log.warning("kvsvc: rank %d's release stream failed (%s); subscribing again", self.tp_rank, e)
+            finally:
+                stream.cancel()
+            stream = await self._resubscribe(delay)
+            delay = min(2 * delay, 5.0)
+            await self._reconcile_releases()
+
+    async def _resubscribe(self, delay: float) -> ReleaseStream:
+        assert self._client is not None
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                return await self._client.open_release_stream()
+            except Exception as e:
+                log.warning("kvsvc: rank %d cannot subscribe to its releases yet: %s", self.tp_rank, e)
+                delay = min(2 * delay, 5.0)
+
+    async def _reconcile_releases(self) -> None:
+        """After a gap in the release stream: each request vLLM holds blocks for whose lease
+        is no longer live was released in the gap (its reason unknown: not counted)."""
+        assert self._client is not None
+        with self._lock:
+            waiting = [r for r in self._delayed if r not in self._released]
+        for rid in waiting:
+            try:
+                listed = await self._client.list_leases(request_id_prefix=rid, limit=64)
+            except Exception as e:
+                log.warning("kvsvc: could not look up the lease of %s: %s", rid, e)
+                continue
+            if not any(lease.request_id == rid for lease in listed.leases):
+                self._record_release(rid, "")
+
+    def _record_release(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._released[request_id] = None
+            while len(self._released) > FINISHED_REMEMBERED:
+                self._released.popitem(last=False)
+            counted = RELEASE_COUNTS.get(reason)
+            if counted:
+                self._stats.count(counted)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for fut in list(self._running.values()):
+            fut.cancel()
+        if self._server is not None:
+            server, client, transfers = self._server, self._client, self._transfers
+            self._server = self._client = self._transfers = None
+
+            channels, self._heartbeat_channels = self._heartbeat_channels, {}
+            keeper, self._kept = self._keeper, {}
+
+            async def down() -> None:
+                if keeper is not None:
+                    keeper.cancel()
+                for c in channels.values():
+                    await c.close()
+                if transfers is not None:
+                    await transfers.close()
+                if client is not None:
+                    await client.close()
+                await server.stop(5)
+
+            try:
+                self._loop.run(down(), 30)
+            except Exception:
+                log.warning("kvsvc: server of rank %d did not stop cleanly", self.tp_rank, exc_info=True)
+        self._loop.stop()
+
+    # ---- each step -------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
+        if meta.delayed or meta.publish or meta.withdraw:
+            # One callback on the server's loop, so that this step's leases are made before
+            # the next step's metadata is looked at (it may name them), and in this order.
+            self._loop.loop.call_soon_threadsafe(self._p_step, set(meta.delayed), set(meta.delayed_early),
+                                                 dict(meta.withdraw), dict(meta.publish))
+        for req_id, recv in meta.receive.items():
+            fut = self._loop.submit(self._transfer(req_id, recv))
+            self._running[req_id] = fut
+            fut.add_done_callback(functools.partial(self._settle, req_id, recv))
+        for req_id in meta.cancel:
+            if req_id in self._running:
+                # Not the future's cancel(): that would report the transfer ended (and vLLM
+                # free its blocks) at once, while a READ may still write into them.
+                self._loop.loop.call_soon_threadsafe(self._give_up, req_id)
+        if self.tp_rank == 0:  # one abort per abandoned request is enough (it names every P server)
+            for req_id, params in meta.abandon.items():
+                self._loop.submit(self._abandon(req_id, params))
+            if meta.keep_alive or meta.stop_keep_alive:
+                self._loop.loop.call_soon_threadsafe(self._update_kept, dict(meta.keep_alive),
+                                                     set(meta.stop_keep_alive))
+
+    def _p_step(self, delayed: set[str], delayed_early: set[str], withdraw: dict[str, str],
+                publish: dict[str, Publish]) -> None:
+        """P, on the server's loop, for one step: the requests vLLM now keeps blocks for
+        (one whose early lease could not be made gets them back at once), the early leases
+        nobody will claim, then this step's leases. Never raises."""
+        with self._lock:
+            for rid in delayed:
+                self._delayed[rid] = None
+            while len(self._delayed) > FINISHED_REMEMBERED:
+                self._delayed.popitem(last=False)
+        for rid in delayed_early & self._early_failed.keys():
+            del self._early_failed[rid]
+            self._record_release(rid, "")
+        server = self._server
+        if server is None:  # shutting down: vLLM frees everything anyway
+            return
+        for rid, token in withdraw.items():
+            self._early_failed.pop(rid, None)
+            try:
+                server.node.leases.notify(rid, NotifyKind.ABORTED, [], server.node.epoch, token=token, withdraw=True)
+            except KvsvcError as e:
+                log.warning("kvsvc: rank %d could not take back the early lease of %s: %s", self.tp_rank, rid, e)
+        for rid, order in publish.items():
+            self._lease(server, rid, order)
+
+    def _lease(self, server: RunningServer, rid: str, order: Publish) -> None:
+        """Lease one request's blocks on this rank's server, in process, under the token the
+        scheduler minted. A refused lease leaves a tombstone, so a D already asking for it
+        fails at once instead of waiting, and its blocks go back to vLLM: now, or for an
+        early lease once the scheduler says it handed that lease's params out."""
+        req = pb.PublishBlocksRequest(request_id=rid, lease_ttl_ms=order.lease_ttl_ms, num_tokens=order.num_tokens,
+                                      block_ids_per_group=[pb.BlockIds(block_ids=g) for g in order.block_ids],
+                                      lease_token=order.lease_token)
+        try:
+            prefill.lease_here(server.node, req)
+        except Exception as e:
+            log.warning("kvsvc: rank %d could not lease %s for decode (its blocks are freed): %s",
+                        self.tp_rank, rid, e)
+            server.node.leases.refuse(rid, order.lease_token)
+            with self._lock:
+                self._stats.count("lease_failed")
+            if order.early:
+                self._early_failed[rid] = None
+                while len(self._early_failed) > FINISHED_REMEMBERED:
+                    self._early_failed.popitem(last=False)
+            else:
+                self._record_release(rid, "")
+
+    def _give_up(self, req_id: str) -> None:
+        """On the loop: cancel req_id's transfer (or, not started yet, keep it from starting)."""
+        task = self._tasks.get(req_id)
+        if task is not None:
+            task.cancel()
+        else:
+            self._given_up.add(req_id)
+
+    async def _transfer(self, req_id: str, recv: Receive) -> Any:
+        assert self._client is not None
+        if req_id in self._given_up:
+            self._given_up.discard(req_id)
+            raise asyncio.CancelledError
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[req_id] = task
+        log.debug("kvsvc: loading %s into %s", req_id, [len(g) for g in recv.local_block_ids])
+        try:
+            params = kvparams.from_vllm(recv.params)
+            if self._transfers is None:
+                self._transfers = self._client.transfer_stream()
+            local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
+            return await self._transfers.transfer(req_id, params, local, timeout_s=TRANSFER_TIMEOUT_S)
+        except BaseException as e:
+            # vLLM frees (and may reuse) the request's blocks once told it ended: tell it only
+            # when nothing of the transfer can write into them any more.
+            await asyncio.shield(self._settled(req_id, e))
+            raise
+        finally:
+            self._tasks.pop(req_id, None)
+
+    async def _settled(self, req_id: str, error: BaseException) -> None:
+        assert self._client is not None
+        try:
+            await self._client.settled(req_id, error)
+        except Exception as e:  # the server is gone (shutting down): nothing of it writes any more
+            log.warning("kvsvc: could not learn whether %s settled: %s", req_id, e)
+
+    def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
+        failed = fut.cancelled() or fut.exception() is not None
+        with self._lock:
+            self._running.pop(req_id, None)
+            if fut.cancelled():
+                self._stats.count("cancelled")
+                self._totals["cancelled"] += 1
+            elif failed:
+                self._stats.count("failed")
+                self._totals["failed"] += 1
+                log.warning("kvsvc: transfer of %s failed: %s", req_id, fut.exception())
+            else:
+                resp = fut.result()
+                self._totals["loaded"] += 1
+                self._totals["bytes"] += resp.total_bytes
+                self._stats.record_transfer(xfer_s=resp.duration_us / 1e6,
+                                            wire_s=max((r.duration_us for r in resp.ranks), default=0) / 1e6,
+                                            nbytes=resp.total_bytes, descriptors=sum(r.num_descriptors for r in resp.ranks))
+                log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
+            if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
+                self._recv_done.add(req_id)
+                if failed:
+                    self._recv_failed.add(req_id)
+
+    def _update_kept(self, new: dict[str, dict[str, Any]], done: set[str]) -> None:
+        """On the loop: requests that started or stopped waiting in D's queue; a new one is
+        heartbeated at once (its lease may be old already), then every lease_heartbeat_s."""
+        if self._heartbeat_s <= 0:
+            return
+        for req_id, params in new.items():
+            try:
+                self._kept[req_id] = kvparams.from_vllm(params)
+            except KvsvcError:
+                continue  # the load will refuse these params itself
+        for req_id in done:
+            self._kept.pop(req_id, None)
+        if new and self._kept:
+            self._beat_now.set()
+        if self._kept and (self._keeper is None or self._keeper.done()):
+            self._keeper = asyncio.ensure_future(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        """On the loop while any request waits: heartbeat the waiting requests' P leases
+        (never raises: a failure is logged and the next round tries again)."""
+        while self._kept:
+            self._beat_now.clear()
+            try:
+                waiting = dict(self._kept)
+                answers = await heartbeat_published(waiting, engine_id=self.engine_id, options=self._options,
+                                                    channels=self._heartbeat_channels)
+                lost = {r: a for r, a in answers.items() if any(v not in KEPT for v in a.values())
+                        and r in self._kept}
+                for r in lost:  # nothing left to keep: its load will fail (and D recompute)
+                    self._kept.pop(r, None)
+                if lost:
+                    log.warning("kvsvc: the leases of %d waiting requests were already gone: %s", len(lost),
+                                dict(list(lost.items())[:4]))
+                await self._trim_heartbeat_channels({s.address for p in self._kept.values() for s in servers_of(p)})
+            except Exception as e:
+                log.warning("kvsvc: lease heartbeat failed: %s", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self._heartbeat_s)
+        await self._trim_heartbeat_channels(set())
+
+    async def _trim_heartbeat_channels(self, in_use: set[str]) -> None:
+        """Close the kept channels to P servers no waiting request names any more (bounded:
+        a P engine restarted on new ports leaves none behind)."""
+        for address in [a for a in self._heartbeat_channels if a not in in_use]:
+            await self._heartbeat_channels.pop(address).close()
+
+    async def _abandon(self, req_id: str, params: dict[str, Any]) -> None:
+        try:
+            answers = await abort_published(kvparams.from_vllm(params), engine_id=self.engine_id,
+                                            options=self._options)
+            log.info("kvsvc: %s abandoned before its transfer: %s", req_id, answers)
+        except Exception as e:
+            log.warning("kvsvc: could not abort the lease of %s: %s", req_id, e)
+
+    def totals(self) -> dict[str, int]:
+        """D: transfers loaded, failed and cancelled since start, and the bytes loaded."""
+        with self._lock:
+            return dict(self._totals)
+
+    def take_stats(self) -> KvsvcConnectorStats | None:
+        """What happened since the last call (None: nothing)."""
+        with self._lock:
+            stats, self._stats = self._stats, KvsvcConnectorStats()
+        return None if stats.is_empty() else stats
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        with self._lock:
+            # Only requests the scheduler delayed: a release of any other (vLLM freed its
+            # blocks already) must not reach vLLM's scheduler, which fails hard on it.
+            small, big = sorted((self._released, self._delayed), key=len)
+            sending = {rid for rid in small if rid in big}
+            for rid in sending:
+                del self._released[rid]
+                del self._delayed[rid]
+            recving, failed = self._recv_done, self._recv_failed
+            self._recv_done, self._recv_failed = set(), set()
+        return sending, recving, failed

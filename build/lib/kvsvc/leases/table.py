@@ -1,0 +1,596 @@
+"""P-side leases: published requests, claims, release accounting, expiry, release events.
+
+A lease moves OFFERED -> CLAIMED -> one of CONSUMED / EXPIRED / ABORTED, exactly once.
+Expiry is driven by one reaper task that sleeps until the earliest deadline; it never
+assumes leases expire in publish order (a claim or heartbeat moves a deadline later).
+Released leases stay as tombstones for a while so late claims get LEASE_EXPIRED and
+duplicate notifications get the final state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import hashlib
+import heapq
+import logging
+import secrets
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
+from kvsvc.mapping.release import ReleaseTracker
+from kvsvc.mapping.topology import tp_ratio
+
+log = logging.getLogger(__name__)
+
+TOMBSTONES_MAX = 100_000
+# What a release costs a subscriber beyond its block ids (the object, its arrays' headers,
+# the queue's slot), bytes.
+RELEASE_OVERHEAD_BYTES = 512
+# Most bytes of releases held for one WatchReleases subscriber that does not read; past it
+# the subscriber is ended (WATCH_BEHIND) and what it held is freed.
+MAX_WATCH_BACKLOG_BYTES = 64 * 1024 * 1024
+
+
+class LeaseState(enum.Enum):
+    OFFERED = "offered"
+    CLAIMED = "claimed"
+    CONSUMED = "consumed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def released(self) -> bool:
+        return self in (LeaseState.CONSUMED, LeaseState.EXPIRED, LeaseState.ABORTED)
+
+
+class NotifyKind(enum.Enum):
+    CONSUMED = "consumed"
+    ABORTED = "aborted"
+    HEARTBEAT = "heartbeat"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One claimant of a lease: its secret id and the D ranks it reads and notifies for."""
+
+    claim_id: str
+    d_ranks: frozenset[int]
+
+
+@dataclass
+class Lease:
+    """One published request. Times are time.monotonic() seconds unless named _unix.
+
+    token is the secret handed out in TransferParams; claims maps claim_id to the claim.
+    Several claims may hold one lease only when they come from one D engine and cover
+    disjoint D ranks (a D engine whose ranks sit on several servers).
+    """
+
+    request_id: str
+    block_ids: list[np.ndarray]  # uint32 per group: 4 bytes an id (a list of ints costs ~36)
+    epoch: int
+    expires_at: float
+    token: str
+    state: LeaseState = LeaseState.OFFERED
+    d_engine_id: str = ""
+    d_tp_size: int = 0
+    d_dcp_size: int = 1
+    tracker: ReleaseTracker | None = None
+    claims: dict[str, Claim] = field(default_factory=dict)
+    released_unix_ms: int = 0
+    published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What stays of a released lease: enough to answer late claims and notifications."""
+
+    state: LeaseState
+    released_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A released request, as WatchReleases reports it.
+
+    free_block_ids: the released blocks no other live lease holds (the same block may sit in
+    two leases, e.g. a prefix two requests share): what an engine may reuse now.
+    """
+
+    request_id: str
+    reason: LeaseState
+    block_ids: list[np.ndarray]
+    released_unix_ms: int
+    free_block_ids: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """What this release holds while it waits for a subscriber (the subscriber's share)."""
+        return RELEASE_OVERHEAD_BYTES + len(self.request_id) + sum(
+            a.nbytes for a in (*self.block_ids, *self.free_block_ids))
+
+
+def _unix_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def monotonic_to_unix_ms(t: float) -> int:
+    return _unix_ms() + int((t - time.monotonic()) * 1000)
+
+
+def new_lease_token() -> str:
+    return secrets.token_hex(16)
+
+
+def blocks_digest(block_ids: Sequence[Sequence[int] | np.ndarray], num_tokens: int) -> bytes:
+    """What a lease holds, as ClaimLeaseRequest.blocks_digest spells it (BLAKE2b-128 over
+    num_tokens, then per group its count and its ids, each 8 bytes little-endian)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<q", num_tokens))
+    for ids in block_ids:
+        h.update(struct.pack("<q", len(ids)))
+        h.update(np.asarray(ids, dtype="<i8").tobytes())
+    return h.digest()
+
+
+def _check_token(lease: Lease, token: str) -> None:
+    if not secrets.compare_digest(token.encode(), lease.token.encode()):
+        raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request "
+                               f"{lease.request_id!r}'s lease: copy TransferParams as PublishBlocks returned them",
+                               {"request_id": lease.request_id})
+
+
+@dataclass
+class LeaseTable:
+    """Leases of one P server; hosted_ranks, tp_size and dcp_size are this engine's."""
+
+    epoch: int
+    hosted_ranks: Sequence[int]
+    tp_size: int
+    default_ttl_s: float = 30.0
+    max_ttl_s: float = 600.0
+    # +1 when the first lease goes live, -1 when the last one is released: while any lease
+    # lives a D may be reading it (read first, claim after), and where UCX emulates a READ
+    # with messages (TCP between hosts, no RDMA) the bytes move only as often as this side
+    # progresses UCX, so the data plane's pump runs while this says so.
+    on_live_change: Callable[[int], None] = lambda delta: None
+    on_release: Callable[[LeaseState], None] = lambda reason: None
+    max_live: int = 65_536
+    dcp_size: int = 1
+    max_leased_blocks: int = 16 * 1024 * 1024  # block ids across live leases (4 bytes each)
+    watch_backlog_bytes: int = MAX_WATCH_BACKLOG_BYTES
+    max_claims_per_engine: int = 16_384  # claimed leases one D engine may hold at once
+    _live: dict[str, Lease] = field(default_factory=dict)
+    _leased_blocks: int = 0
+    _claims_of: dict[str, int] = field(default_factory=dict)  # D engine id -> claimed leases it holds
+    _holders: list[np.ndarray] = field(default_factory=list)  # per group: live leases holding each block
+    _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
+    # Aborts, with a token, of leases not made yet (request id -> token): an engine that
+    # hands out params before its servers lease the blocks (lease_pending) may hear that D
+    # gave the request up first; its publish under that token is then refused at once.
+    _aborted_early: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _heap: list[tuple[float, str]] = field(default_factory=list)
+    _watchers: set[Subscription] = field(default_factory=set)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _reaper: asyncio.Task[None] | None = None
+    _claimed: int = 0
+    _no_claims: asyncio.Event = field(default_factory=asyncio.Event)
+    accepting: bool = True
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="kvsvc-lease-reaper")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+            self._reaper = None
+        for w in list(self._watchers):
+            w.end()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking publishes and wait (at most timeout_s) until no lease is claimed.
+
+        Claimed leases may have READs in flight from D; unclaimed ones are left to their
+        fate (D's claim will fail cleanly once the server is gone). Returns the number of
+        leases still claimed when it gave up.
+        """
+        self.accepting = False
+        if self._claimed:
+            try:
+                await asyncio.wait_for(self._no_claims.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("%d leases still claimed after %.1f s of draining", self._claimed, timeout_s)
+        return self._claimed
+
+    # ---- operations -----------------------------------------------------------------
+
+    def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None, token: str = "",
+                num_tokens: int = 0) -> Lease:
+        """Lease request_id's blocks; token is a sibling server's (one engine, one token), else new."""
+        if not request_id:
+            raise InvalidArgument("MISSING_FIELD", "request_id must be set", {"field": "request_id"})
+        if not self.accepting:
+            raise Unavailable("SHUTTING_DOWN", "this server is shutting down and takes no new leases")
+        if request_id in self._live:
+            raise KvsvcError("LEASE_EXISTS", f"request {request_id!r} is already published and not yet released",
+                             {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)
+        if len(self._live) >= self.max_live:
+            raise KvsvcError("TOO_MANY_LEASES", f"{len(self._live)} leases are live, the most this server keeps; "
+                             "wait for releases", {"live_leases": len(self._live), "max_live_leases": self.max_live},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
+        blocks = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
+        count = sum(int(a.size) for a in blocks)
+        if self._leased_blocks + count > self.max_leased_blocks:
+            raise KvsvcError("TOO_MANY_LEASED_BLOCKS", f"{self._leased_blocks} block ids are leased, and {count} "
+                             f"more would pass the most this server keeps ({self.max_leased_blocks}); wait for "
+                             "releases", {"leased_blocks": self._leased_blocks, "asked": count,
+                                          "max_leased_blocks": self.max_leased_blocks},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
+        ttl = self.default_ttl_s if not ttl_s else ttl_s
+        if ttl > self.max_ttl_s:
+            raise InvalidArgument("LEASE_TTL_TOO_LONG", f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
+                                  f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
+                                                                    "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
+        if token and self._aborted_early.get(request_id) == token:
+            del self._aborted_early[request_id]
+            raise FailedPrecondition("LEASE_ABORTED", f"request {request_id!r} was aborted (with this lease token) "
+                                     "before it was published", {"request_id": request_id})
+        self._dead.pop(request_id, None)
+        lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
+                      digest=blocks_digest(blocks, num_tokens))
+        self._live[request_id] = lease
+        if len(self._live) == 1:
+            self.on_live_change(+1)
+        self._hold(blocks, +1)
+        self._schedule(lease)
+        return lease
+
+    @property
+    def leased_blocks(self) -> int:
+        """Block ids held by live leases (a block in two leases counts twice)."""
+        return self._leased_blocks
+
+    def _hold(self, blocks: list[np.ndarray], delta: int) -> None:
+        """Count (delta +1) or uncount (-1) a lease's blocks in the per-block holder counts."""
+        while len(self._holders) < len(blocks):
+            self._holders.append(np.zeros(0, dtype=np.int32))
+        for g, ids in enumerate(blocks):
+            if not ids.size:
+                continue
+            need = int(ids.max()) + 1
+            if need > self._holders[g].size:  # grows to the largest block id seen (the pool's size)
+                grown = np.zeros(max(need, 2 * self._holders[g].size), dtype=np.int32)
+                grown[:self._holders[g].size] = self._holders[g]
+                self._holders[g] = grown
+            np.add.at(self._holders[g], ids, delta)  # add.at: a block listed twice counts twice
+            self._leased_blocks += delta * int(ids.size)
+
+    def _now_free(self, blocks: list[np.ndarray]) -> list[np.ndarray]:
+        """Of a released lease's blocks (already uncounted), those no live lease holds, sorted."""
+        out = []
+        for g, ids in enumerate(blocks):
+            unique = np.unique(ids)
+            out.append(unique[self._holders[g][unique] == 0] if unique.size else unique)
+        return out
+
+    def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
+              d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
+              consumed: bool = False, digest: bytes = b"") -> Lease:
+        """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
+
+        A lease has one owner per D rank: another claim_id for overlapping ranks, or any
+        claim from another D engine, is refused with LEASE_CLAIMED. consumed: the claimant
+        read before claiming; its ranks are reported consumed in the same step (the lease is
+        released once every D rank it waits for has been), so the grant itself is the proof
+        that the lease was never released while they read. digest (blocks_digest of the
+        params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
+        """
+        lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
+                            d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
+                            digest=digest)
+        if consumed:
+            assert lease.tracker is not None
+            lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
+            if lease.tracker.done:  # claimed and consumed in one step: its READs are over
+                self._release(lease, LeaseState.CONSUMED)
+        return lease
+
+    def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
+               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes) -> Lease:
+        lease = self._live_lease(request_id, epoch)
+        _check_token(lease, token)
+        if digest and not secrets.compare_digest(digest, lease.digest):
+            raise InvalidArgument("PARAMS_INCONSISTENT", f"the params' block ids or num_tokens are not those "
+                                  f"request {request_id!r} was published with: use the params PublishBlocks "
+                                  "returned for it, unedited", {"request_id": request_id})
+        tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
+        ranks = frozenset(d_ranks) if d_ranks else frozenset(range(d_tp_size))
+        bad = sorted(r for r in ranks if not 0 <= r < d_tp_size)
+        if bad:
+            raise InvalidArgument("RANK_OUT_OF_RANGE", f"ranks {bad[:8]} are outside the D TP size {d_tp_size}",
+                                  {"ranks": ",".join(map(str, bad[:8])), "tp_size": d_tp_size})
+        if lease.state is LeaseState.CLAIMED and (lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size) != (
+                d_engine_id, d_tp_size, d_dcp_size):
+            raise FailedPrecondition("LEASE_CLAIMED", f"request {request_id!r} is claimed by engine "
+                                     f"{lease.d_engine_id!r} (TP {lease.d_tp_size})",
+                                     {"request_id": request_id, "claimed_by": lease.d_engine_id})
+        if lease.state is LeaseState.OFFERED and self._claims_of.get(d_engine_id, 0) >= self.max_claims_per_engine:
+            # One D engine may not hold every lease (a claim extends it, heartbeats keep it):
+            # the rest of the table stays for the engine's other readers.
+            raise KvsvcError("TOO_MANY_CLAIMS", f"engine {d_engine_id[:64]!r} holds {self.max_claims_per_engine} "
+                             "claimed leases here, the most one D engine may; finish or abort some first",
+                             {"engine_id": d_engine_id, "max_claims_per_engine": self.max_claims_per_engine},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
+        held = lease.claims.get(claim_id)
+        if held is not None:
+            if held.d_ranks != ranks:
+                raise InvalidArgument("CLAIM_CONFLICT", f"claim {claim_id[:8]}... was made for other ranks",
+                                      {"request_id": request_id})
+        else:
+            taken = sorted(set().union(*(c.d_ranks & ranks for c in lease.claims.values())))
+            if taken:
+                raise FailedPrecondition("LEASE_CLAIMED", f"D ranks {taken[:8]} of request {request_id!r} are "
+                                         "claimed by another transfer", {"request_id": request_id,
+                                                                         "ranks": ",".join(map(str, taken[:8]))})
+            lease.claims[claim_id] = Claim(claim_id, ranks)
+        if lease.state is LeaseState.OFFERED:
+            lease.state = LeaseState.CLAIMED
+            lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size = d_engine_id, d_tp_size, d_dcp_size
+            lease.tracker = ReleaseTracker(self.hosted_ranks, d_tp_size, self.tp_size, d_dcp_size, self.dcp_size)
+            self._claimed += 1
+            self._claims_of[d_engine_id] = self._claims_of.get(d_engine_id, 0) + 1
+            self._no_claims.clear()
+        self._extend(lease, extend_s)
+        return lease
+
+    def notify(self, request_id: str, kind: NotifyKind, d_ranks: Sequence[int], epoch: int, *,
+               token: str = "", claim_id: str = "", withdraw: bool = False) -> tuple[LeaseState | None, list[int]]:
+        """Apply a notification; (state after, D ranks still pending). Idempotent.
+
+        A claimed lease hears only from its owners (claim_id), and CONSUMED only for the
+        owner's ranks; an unclaimed lease may be aborted or heartbeated by whoever holds
+        its token. A released or unknown lease answers its final state and changes nothing.
+        """
+        if epoch != self.epoch:
+            return LeaseState.EXPIRED, []
+        lease = self._live.get(request_id)
+        if lease is None:
+            dead = self._dead.get(request_id)
+            if dead is None and kind is NotifyKind.ABORTED and token and not withdraw:
+                self._remember(self._aborted_early, request_id, token)
+            return (dead.state if dead else None), []
+        claim = lease.claims.get(claim_id) if claim_id else None
+        if claim is None or withdraw:
+            self._check_unclaimed_access(lease, kind, token)
+        if withdraw:
+            if kind is not NotifyKind.ABORTED:
+                raise InvalidArgument("INVALID_FIELD", "withdraw goes with NOTIFY_KIND_ABORTED", {"field": "withdraw"})
+            self._release(lease, LeaseState.ABORTED, announce=False)
+            return lease.state, []
+        if kind is NotifyKind.HEARTBEAT:
+            self._extend(lease, None)
+            return lease.state, lease.tracker.pending_d_ranks if lease.tracker else []
+        if kind is NotifyKind.ABORTED:
+            self._release(lease, LeaseState.ABORTED)
+            return lease.state, []
+        assert claim is not None and lease.tracker is not None  # CONSUMED needs a claim (checked above)
+        bad = sorted(set(d_ranks) - claim.d_ranks)
+        if bad:
+            raise InvalidArgument("RANK_NOT_CLAIMED", f"done_ranks {bad[:8]} are not ranks this claim holds",
+                                  {"ranks": ",".join(map(str, bad[:8]))})
+        lease.tracker.notify(d_ranks)
+        if lease.tracker.done:
+            self._release(lease, LeaseState.CONSUMED)
+        return lease.state, lease.tracker.pending_d_ranks
+
+    def _check_unclaimed_access(self, lease: Lease, kind: NotifyKind, token: str) -> None:
+        if lease.claims:
+            raise PermissionDenied("LEASE_NOT_OWNER", f"request {lease.request_id!r} is claimed; only its claimant "
+                                   "(claim_id) may notify", {"request_id": lease.request_id})
+        if kind is NotifyKind.CONSUMED:
+            raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {lease.request_id!r} was never claimed: claim "
+                                     "it before reading", {"request_id": lease.request_id})
+        _check_token(lease, token)
+
+    def refuse(self, request_id: str, token: str) -> None:
+        """The engine could not lease request_id (its publish under `token` failed): claims
+        that wait for the lease (params with lease_pending) find an ABORTED tombstone and
+        fail now. A live lease of that id (someone else's token) is left alone."""
+        self._aborted_early.pop(request_id, None)
+        if request_id not in self._live:
+            self._remember(self._dead, request_id, Tombstone(LeaseState.ABORTED, _unix_ms()))
+
+    @staticmethod
+    def _remember(history: OrderedDict[str, Any], request_id: str, value: Any) -> None:
+        history[request_id] = value
+        history.move_to_end(request_id)
+        while len(history) > TOMBSTONES_MAX:
+            history.popitem(last=False)
+
+    def get(self, request_id: str) -> Lease | None:
+        """The live lease of request_id, if any."""
+        return self._live.get(request_id)
+
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    @property
+    def claimed_count(self) -> int:
+        return self._claimed
+
+    def listing(self, limit: int, prefix: str = "") -> list[Lease]:
+        """Live leases, soonest to expire first, at most limit; reads only (nothing is extended,
+        and one past its deadline that the reaper has not reached yet is left out)."""
+        now = time.monotonic()
+        alive = (lease for lease in self._live.values()
+                 if lease.request_id.startswith(prefix) and lease.expires_at > now)
+        return heapq.nsmallest(limit, alive, key=lambda lease: lease.expires_at)
+
+    def subscribe(self) -> Subscription:
+        """Releases from this moment on (registered before this returns), until close(), or
+        until the subscriber falls watch_backlog_bytes behind (then SubscriberBehind)."""
+        sub = Subscription(self._watchers, self.watch_backlog_bytes)
+        self._watchers.add(sub)
+        return sub
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _live_lease(self, request_id: str, epoch: int) -> Lease:
+        if epoch != self.epoch:
+            raise FailedPrecondition("LEASE_EXPIRED", f"lease epoch {epoch} is not this server's epoch {self.epoch} "
+                                     "(the prefill server restarted); re-publish the request",
+                                     {"request_id": request_id, "lease_epoch": epoch, "server_epoch": self.epoch})
+        lease = self._live.get(request_id)
+        if lease is not None and lease.expires_at <= time.monotonic():
+            self._release(lease, LeaseState.EXPIRED)
+            lease = None
+        if lease is None:
+            dead = self._dead.get(request_id)
+            state = dead.state.value if dead else "unknown"
+            raise FailedPrecondition("LEASE_EXPIRED", f"request {request_id!r} holds no live lease ({state})",
+                                     {"request_id": request_id, "state": state})
+        return lease
+
+    def _extend(self, lease: Lease, extend_s: float | None) -> None:
+        ttl = min(extend_s or self.default_ttl_s, self.max_ttl_s)
+        lease.expires_at = max(lease.expires_at, time.monotonic() + ttl)
+        self._schedule(lease)
+
+    def _schedule(self, lease: Lease) -> None:
+        entry = (lease.expires_at, lease.request_id)
+        heapq.heappush(self._heap, entry)
+        if self._heap[0] is entry:  # due before the reaper's next wake-up: wake it (else it
+            self._wake.set()        # sleeps on; two wake-ups a transfer were ~10 % of P's CPU)
+
+    def _release(self, lease: Lease, reason: LeaseState, announce: bool = True) -> None:
+        if lease.state.released:
+            return
+        if lease.state is LeaseState.CLAIMED:
+            self._claimed -= 1
+            left = self._claims_of.pop(lease.d_engine_id, 1) - 1
+            if left:
+                self._claims_of[lease.d_engine_id] = left
+            if not self._claimed:
+                self._no_claims.set()
+        lease.state = reason
+        lease.released_unix_ms = _unix_ms()
+        if self._live.pop(lease.request_id, None) is not None and not self._live:
+            self.on_live_change(-1)
+        self._hold(lease.block_ids, -1)
+        # A tombstone keeps the final state only: block lists of released leases would
+        # otherwise pile up (a 100k-entry history of long requests is gigabytes).
+        self._remember(self._dead, lease.request_id, Tombstone(reason, lease.released_unix_ms))
+        log.info("released %s: %s%s", lease.request_id, reason.value, "" if announce else " (withdrawn)")
+        if not announce:  # never handed out: the engine hears of it from its failed publish
+            return
+        self.on_release(reason)
+        if not self._watchers:
+            return
+        ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms,
+                     self._now_free(lease.block_ids))
+        for w in list(self._watchers):
+            w.offer(ev)
+
+    def expire_due(self) -> None:
+        now = time.monotonic()
+        while self._heap and self._heap[0][0] <= now:
+            _, rid = heapq.heappop(self._heap)
+            lease = self._live.get(rid)
+            # Stale heap entries (deadline moved later, or already released) are skipped.
+            if lease is not None and lease.expires_at <= now:
+                self._release(lease, LeaseState.EXPIRED)
+
+    async def _reap(self) -> None:
+        while True:
+            self.expire_due()
+            self._wake.clear()
+            timeout = max(0.0, self._heap[0][0] - time.monotonic()) if self._heap else None
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for swallows a cancel that
+            # arrives as the wake-up event is set, and close() then waited forever.
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+
+class SubscriberBehind(Exception):
+    """A WatchReleases subscriber fell so far behind that its releases were dropped."""
+
+    def __init__(self, held_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"{held_bytes} bytes of releases waited for this subscriber (limit {limit_bytes})")
+        self.held_bytes, self.limit_bytes = held_bytes, limit_bytes
+
+
+class Subscription:
+    """An async iterator of releases; ends when the table closes, or raises SubscriberBehind
+    once more than max_bytes of releases waited for it (they are dropped at once: a
+    subscriber that stops reading must not grow the server)."""
+
+    def __init__(self, registry: set[Subscription], max_bytes: int) -> None:
+        self._registry, self._max = registry, max_bytes
+        self._events: collections.deque[Release] = collections.deque()
+        self._bytes = 0
+        self._wake = asyncio.Event()
+        self._ended = False
+        self._behind: SubscriberBehind | None = None
+
+    def offer(self, ev: Release) -> None:
+        """Queue ev for this subscriber (the table calls it for every release)."""
+        size = ev.nbytes
+        if self._bytes + size > self._max:
+            self._behind = SubscriberBehind(self._bytes + size, self._max)
+            self._events.clear()
+            self._bytes = 0
+            self.close()
+            return
+        self._events.append(ev)
+        self._bytes += size
+        self._wake.set()
+
+    def end(self) -> None:
+        """No more releases (the table closed): iteration stops once the queued ones are read."""
+        self._ended = True
+        self.close()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Release:
+        while not self._events:
+            if self._behind is not None:
+                raise self._behind
+            if self._ended:
+                raise StopAsyncIteration
+            self._wake.clear()
+            await self._wake.wait()
+        ev = self._events.popleft()
+        self._bytes -= ev.nbytes
+        return ev
+
+    def close(self) -> None:
+        self._registry.discard(self)
+        self._wake.set()

@@ -1,0 +1,305 @@
+"""The kvsvc.v1.KvTransferService servicer: decode requests, check the caller, call the node, encode answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_status import rpc_status
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
+from kvsvc.config import Role
+from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.leases.table import SubscriberBehind
+from kvsvc.limits import (
+    MAX_ADDRESS_BYTES,
+    MAX_LEASE_CALLS,
+    check_block_lists,
+    check_count,
+    check_id,
+    check_num_tokens,
+    check_tp_size,
+    clip,
+)
+from kvsvc.logs import REQUEST_ID
+from kvsvc.mapping.planner import Side
+from kvsvc.mapping.topology import tp_ratio
+from kvsvc.service import prefill
+from kvsvc.service.auth import caller_names, is_engine, require_engine
+from kvsvc.service.decode import Decoder
+from kvsvc.service.errors import Malformed, rpc_errors, to_status
+from kvsvc.service.inspect import list_leases
+from kvsvc.service.node import Node
+from kvsvc.service.siblings import Siblings
+from kvsvc.service.tracing import context_from_metadata, context_from_traceparent, server_span
+from kvsvc.service.transfer_stream import TransferStreamSession
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KvTransferService"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _traced(call: str, request: Any, ctx: Context | None) -> Iterator[None]:
+    """A lease call this P server answers: its log lines name the P-side request, and it is a
+    span in the caller's trace when the caller sent one."""
+    token = REQUEST_ID.set(getattr(request, "request_id", ""))
+    try:
+        if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
+            yield
+            return
+        with server_span(f"kvsvc.{call}", ctx, **{"kvsvc.request_id": getattr(request, "request_id", ""),
+                                                 "kvsvc.peer_engine": getattr(request, "engine_id", "")}):
+            yield
+    finally:
+        REQUEST_ID.reset(token)
+
+
+def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
+    if msg.tp_size == 0:
+        raise bad_field(f"{field}.tp_size", "must be positive", "MISSING_FIELD")
+    check_tp_size(msg.tp_size, f"{field}.tp_size")
+    tp_ratio(local_tp_size, msg.tp_size)  # TP_NOT_DIVISIBLE before any per-rank head check
+    if not msg.HasField("layout"):
+        raise bad_field(f"{field}.layout", "must be set", "MISSING_FIELD")
+    return Side.of(layout_from_proto(msg.layout, f"{field}.layout", msg.tp_size), msg.tp_size)
+
+
+class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
+    """Thin: every rule lives in the node, the role modules and the layers below them."""
+
+    def __init__(self, node: Node, decoder: Decoder, siblings: Siblings) -> None:
+        self.node = node
+        self.decoder = decoder
+        self.siblings = siblings
+        self._lease_channels: dict[asyncio.Task[Any], grpc.aio.ServicerContext] = {}
+        self._channels_closed = False
+        self._transfer_streams: set[TransferStreamSession] = set()
+        self._streams_closed = False
+
+    @rpc_errors
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        info = self.node.info()
+        info.engine_servers.extend(self.siblings.known.values())
+        if not is_engine(self.node, caller_names(context)):
+            del info.pools[:]  # shared-memory names and CUDA IPC handles are for the engine only
+            info.transfer_socket = ""
+        return info
+
+    @rpc_errors
+    async def PlanTransfer(
+        self, request: pb.PlanTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PlanTransferResponse:
+        check_block_lists([g.block_ids for g in request.local_block_ids_per_group], "local_block_ids_per_group")
+        check_block_lists([g.block_ids for g in request.remote_block_ids_per_group], "remote_block_ids_per_group")
+        check_num_tokens(request.remote_num_tokens, "remote_num_tokens")
+        which = request.WhichOneof("remote")
+        if which == "inline_remote":
+            remote = inline_remote_side(request.inline_remote, "inline_remote", self.node.config.tp_size)
+        elif which == "remote_address":
+            check_id(request.remote_address, "remote_address", MAX_ADDRESS_BYTES)
+            require_engine(self.node, caller_names(context), "plan by address (this server dials it)")
+            remote = await self.decoder.peers.side_of(request.remote_address)
+        else:
+            raise bad_field("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
+        ranks = self.node.check_ranks(request.local_ranks, "local_ranks")
+        plans = self.node.plan(
+            remote, block_ids_from_proto(request.local_block_ids_per_group),
+            block_ids_from_proto(request.remote_block_ids_per_group), ranks,
+            remote_num_tokens=request.remote_num_tokens,
+        )
+        return self.node.plan_response(plans, request.summary_only)
+
+    @rpc_errors
+    async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeResponse:
+        return prefill.handshake(self.node, request, caller_names(context))
+
+    @rpc_errors
+    async def PublishBlocks(
+        self, request: pb.PublishBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PublishBlocksResponse:
+        require_engine(self.node, caller_names(context), "publish blocks")
+        return await prefill.publish(self.node, request, self.siblings)
+
+    @rpc_errors
+    async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:
+        with _traced("claim", request, context_from_metadata(context.invocation_metadata())):
+            return prefill.claim(self.node, request, caller_names(context))
+
+    @rpc_errors
+    async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:
+        require_engine(self.node, caller_names(context), "run transfers")
+        return await self.decoder.transfer(request, context.time_remaining(),
+                                           context_from_metadata(context.invocation_metadata()))
+
+    async def TransferStream(
+        self, request_iterator: AsyncIterator[pb.TransferStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TransferStreamResponse]:
+        """Transfers as messages (service/transfer_stream.py); a transfer's error is its answer."""
+        try:
+            if self._streams_closed:
+                raise Unavailable("SHUTTING_DOWN", "this server is shutting down and opens no TransferStream")
+            self.node.require_role(Role.DECODE, "TransferStream")
+            require_engine(self.node, caller_names(context), "run transfers")
+        except KvsvcError as e:
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        # Headers now: the client knows the stream was taken before it writes (a refusal comes
+        # instead of them, and a write into a refused call could hide its reason).
+        await context.send_initial_metadata(())
+        session = TransferStreamSession(self.decoder, context.time_remaining())
+        self._transfer_streams.add(session)
+        try:
+            async for resp in session.answers(request_iterator):
+                yield resp
+        except KvsvcError as e:
+            log.info("TransferStream ended: %s", clip(str(e), 300))
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        finally:
+            self._transfer_streams.discard(session)
+        if session.closing:
+            err = Unavailable("SHUTTING_DOWN", "this server is shutting down; open a new TransferStream elsewhere")
+            await context.abort_with_status(rpc_status.to_status(to_status(err)))
+
+    def close_transfer_streams(self) -> None:
+        """At shutdown: open TransferStreams take no new transfers and end with SHUTTING_DOWN
+        once their running ones are answered (within the server's grace period)."""
+        self._streams_closed = True
+        for session in self._transfer_streams:
+            session.close()
+
+    @rpc_errors
+    async def WaitTransfer(
+        self, request: pb.WaitTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WaitTransferResponse:
+        require_engine(self.node, caller_names(context), "ask about transfers")
+        return await self.decoder.wait(request)
+
+    @rpc_errors
+    async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
+        with _traced("notify", request, context_from_metadata(context.invocation_metadata())):
+            return prefill.notify(self.node, request, caller_names(context))
+
+    async def LeaseChannel(
+        self, request_iterator: AsyncIterator[pb.LeaseChannelRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LeaseChannelResponse]:
+        """ClaimLease and Notify calls, a message of them at a time, answered in order; a call's
+        error is that call's answer and the stream goes on."""
+        if self._channels_closed:
+            err = Unavailable("SHUTTING_DOWN", "this server is shutting down and opens no LeaseChannel")
+            await context.abort_with_status(rpc_status.to_status(to_status(err)))
+        names = caller_names(context)
+        task = asyncio.current_task()
+        if task is not None:
+            self._lease_channels[task] = context
+        try:
+            async for msg in request_iterator:
+                try:  # the stream cannot be trusted past a message that does not parse or is too big
+                    if isinstance(msg, Malformed):
+                        raise msg.error()
+                    check_count(msg.calls, "calls", MAX_LEASE_CALLS)
+                except KvsvcError as e:
+                    await context.abort_with_status(rpc_status.to_status(to_status(e)))
+                yield pb.LeaseChannelResponse(answers=[self.lease_call(call, names) for call in msg.calls])
+        finally:
+            if task is not None:
+                self._lease_channels.pop(task, None)
+
+    def lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
+        """One lease call's answer (from the LeaseChannel stream or the lease socket)."""
+        which = call.WhichOneof("call")
+        body = getattr(call, which) if which else None
+        with _traced(which or "none", body, context_from_traceparent(call.traceparent) if call.traceparent else None):
+            return self._answer(call, which, names)
+
+    def _answer(self, call: pb.LeaseCall, which: str | None, names: Sequence[str]) -> pb.LeaseAnswer:
+        try:
+            if which == "claim":
+                return pb.LeaseAnswer(call_id=call.call_id, claim=prefill.claim(self.node, call.claim, names))
+            if which == "notify":
+                return pb.LeaseAnswer(call_id=call.call_id, notify=prefill.notify(self.node, call.notify, names))
+            raise bad_field("calls.call", "set claim or notify", "MISSING_FIELD")
+        except KvsvcError as e:
+            log.info("LeaseChannel %s failed: %s", which, clip(str(e), 300))
+            err = e
+        except Exception as e:  # a bug: answer INTERNAL for this call, keep the stream
+            log.exception("LeaseChannel %s crashed", which)
+            err = KvsvcError("INTERNAL", f"internal error in LeaseChannel {which}: {type(e).__name__}: {e}")
+        return pb.LeaseAnswer(call_id=call.call_id, error_status=to_status(err).SerializeToString())
+
+    @rpc_errors
+    async def ListLeases(self, request: pb.ListLeasesRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListLeasesResponse:
+        require_engine(self.node, caller_names(context), "list leases")
+        return list_leases(self.node, self.decoder, request)
+
+    async def close_lease_channels(self) -> None:
+        """End every open LeaseChannel with SHUTTING_DOWN (at shutdown, once no lease is claimed
+        any more). The status is sent from here: a handler waiting for its next message does
+        not end the call by being cancelled, and the server would wait out its grace period."""
+        self._channels_closed = True
+        status = rpc_status.to_status(to_status(Unavailable("SHUTTING_DOWN", "this server is shutting down")))
+        for task, context in list(self._lease_channels.items()):
+            with contextlib.suppress(Exception):  # AbortError, or a call that already ended
+                await context.abort_with_status(status)
+            task.cancel()
+        self._lease_channels.clear()
+
+    async def WatchReleases(
+        self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchReleasesResponse]:
+        try:
+            if isinstance(request, Malformed):
+                raise request.error()
+            self.node.require_role(Role.PREFILL, "WatchReleases")
+            require_engine(self.node, caller_names(context), "watch releases")
+        except KvsvcError as e:
+            await context.abort_with_status(rpc_status.to_status(to_status(e)))
+        sub = self.node.leases.subscribe()
+        try:
+            # Headers go out once subscribed: a caller that awaits them misses no release.
+            await context.send_initial_metadata(())
+            async for ev in sub:
+                yield prefill.release_to_proto(ev)
+        except SubscriberBehind as e:
+            log.warning("a WatchReleases subscriber stopped reading and was ended: %s", e)
+            await context.abort_with_status(rpc_status.to_status(to_status(prefill.watch_behind(e))))
+        finally:
+            sub.close()
+
+
+def _tolerant(message_type: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer that turns unparsable bytes into a Malformed marker.
+
+    gRPC answers a deserializer's exception with UNKNOWN and logs a traceback per call;
+    this way the servicer answers INVALID_ARGUMENT (MALFORMED_REQUEST) and logs one line.
+    """
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as e:
+            return Malformed(message_type.DESCRIPTOR.full_name, len(data), str(e))
+
+    return parse
+
+
+def add_servicer(servicer: KvTransferServicer, server: grpc.aio.Server) -> None:
+    """Register every RPC of KvTransferService with tolerant request parsing."""
+    handlers = {}
+    for method in SERVICE.methods:
+        req_cls = getattr(pb, method.input_type.name)
+        resp_cls = getattr(pb, method.output_type.name)
+        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_tolerant(req_cls),
+                                     response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
