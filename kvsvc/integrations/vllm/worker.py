@@ -24,7 +24,6 @@ from typing import Any
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
 from kvsvc.client.leases import LEASE_NOT_YET_MADE, abort_published, heartbeat_published, servers_of
-from kvsvc.client.transfer_stream import TransferChannel
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.vllm import params as kvparams
@@ -34,6 +33,7 @@ from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMe
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
 from kvsvc.leases.table import NotifyKind
 from kvsvc.service import prefill
+from kvsvc.service.in_process import InProcessTransfers
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -83,9 +83,9 @@ class KvsvcWorker:
         self._loop = LoopThread(f"kvsvc-worker-{tp_rank}")
         self._server: RunningServer | None = None
         self._client: AsyncClient | None = None
-        # D: transfers go as messages on one TransferStream to this rank's server (made on
-        # the first one, on the worker's loop): a unary call each costs both ends more CPU.
-        self._transfers: TransferChannel | None = None
+        # D: transfers go to this rank's server as calls on the loop both run on (made on the
+        # first one): no framing, no socket, no gRPC (service/in_process.py).
+        self._transfers: InProcessTransfers | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}  # running transfers, on the loop
         self._given_up: set[str] = set()  # cancelled before their task ran
         self.info: ServerInfo | None = None
@@ -322,7 +322,8 @@ class KvsvcWorker:
         try:
             params = kvparams.from_vllm(recv.params)
             if self._transfers is None:
-                self._transfers = self._client.transfer_stream()
+                assert self._server is not None
+                self._transfers = InProcessTransfers(self._server)
             local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
             return await self._transfers.transfer(req_id, params, local, timeout_s=TRANSFER_TIMEOUT_S)
         except BaseException as e:
@@ -334,9 +335,12 @@ class KvsvcWorker:
             self._tasks.pop(req_id, None)
 
     async def _settled(self, req_id: str, error: BaseException) -> None:
-        assert self._client is not None
+        if self._transfers is None:
+            # Failed before any transfer started, or the server is shutting down (its stop
+            # settles every transfer before it frees the pools).
+            return
         try:
-            await self._client.settled(req_id, error)
+            await self._transfers.settled(req_id, error)
         except Exception as e:  # the server is gone (shutting down): nothing of it writes any more
             log.warning("kvsvc: could not learn whether %s settled: %s", req_id, e)
 
