@@ -1,1 +1,0 @@
-"""Layer 7: the kvsvc command line."""

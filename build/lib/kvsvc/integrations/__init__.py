@@ -1,1 +1,0 @@
-"""kvsvc inside inference engines (vllm: a KV connector for vLLM)."""

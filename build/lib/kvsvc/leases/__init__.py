@@ -1,1 +1,0 @@
-"""Layer 5: P-side leases (publish, claim, release accounting, expiry) with epochs."""

@@ -1,1 +1,0 @@
-"""Layer 3: KV pools (shared-memory DRAM, CUDA VRAM, engine-owned buffers)."""
