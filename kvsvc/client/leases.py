@@ -28,16 +28,27 @@ def _notify(params: pb.TransferParams, kind: int, server: pb.EngineServer,
 
 
 async def abort_published(params: pb.TransferParams, *, engine_id: str = "router",
-                          options: ClientOptions | None = None) -> dict[str, str]:
+                          options: ClientOptions | None = None,
+                          channels: Mapping[str, AsyncClient] | None = None) -> dict[str, str]:
     """Abort the request's lease on every P server the params name, with the lease token.
 
     For a request that will not be transferred (the router gave up, or the D engine's
     Transfer never reached its server: WaitTransfer said UNKNOWN). A lease that a D
     transfer has claimed is not touched (LEASE_NOT_OWNER): that transfer frees it.
-    Returns each server's answer: a LeaseState name, or the error reason.
+    channels: open clients by address (a D server's handshaken peers) used before dialling
+    anew; one that fails (closed meanwhile) is not trusted with the answer: the server is
+    dialled. Returns each server's answer: a LeaseState name, or the error reason.
     """
+    timeout_s = options.timeout_s if options is not None else None
 
     async def one(s: pb.EngineServer) -> tuple[str, str]:
+        open_client = (channels or {}).get(s.address)
+        if open_client is not None:
+            try:
+                return s.address, pb.LeaseState.Name((await open_client.notify(
+                    _notify(params, pb.NOTIFY_KIND_ABORTED, s, engine_id), timeout_s=timeout_s)).state)
+            except KvsvcError:
+                pass
         try:
             async with AsyncClient(s.address, options) as client:
                 return s.address, pb.LeaseState.Name((await client.notify(

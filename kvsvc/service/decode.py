@@ -277,7 +277,8 @@ class Decoder:
         """Best-effort ABORTED (with the lease token) to every P server of a request we could not
         pair with or plan: their leases would otherwise wait out the TTL."""
         opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0, retries=0)
-        answers = await abort_published(p, engine_id=self.node.config.engine_id, options=opts)
+        handshaken = {peer.address: peer.client for peer in self.peers.listing()}  # no new channel where one is open
+        answers = await abort_published(p, engine_id=self.node.config.engine_id, options=opts, channels=handshaken)
         for address, answer in answers.items():
             if not answer.startswith("LEASE_STATE_"):
                 log.warning("could not tell %s that %s was refused: %s", address, p.remote_request_id, answer)

@@ -107,3 +107,33 @@ async def test_a_cancelled_in_process_transfer_settles_before_settled_returns():
         assert job is None or job.settled.is_set()
         with pytest.raises(KvsvcError):
             await pc.claim_lease(pb.ClaimLeaseRequest(request_id="ip-c"))  # no lease left to claim
+
+
+async def test_a_refused_transfer_frees_ps_lease_over_the_channel_it_already_has(monkeypatch):
+    """A transfer refused before its first READ (params with a wrong DCP size) gives P its
+    lease back at once, over the handshaken peer's open channel: no new one is dialled."""
+    from kvsvc.client import leases
+
+    async with in_process_pair("ipa") as (p, d), AsyncClient(f"127.0.0.1:{p.port}") as pc:
+        carrier = InProcessTransfers(d)
+        warm = await pc.publish_blocks("ipa-warm", [[1]])
+        await carrier.transfer("d-ipa-warm", warm.params, [[2]], timeout_s=30)  # handshaken: a peer is cached
+        dialled: list[str] = []
+        real_client = leases.AsyncClient
+
+        def counting(address, *args, **kw):
+            dialled.append(address)
+            return real_client(address, *args, **kw)
+
+        monkeypatch.setattr(leases, "AsyncClient", counting)
+        pub = await pc.publish_blocks("ipa", [[3]])
+        pub.params.remote_dcp_size = 2
+        with pytest.raises(KvsvcError) as e:
+            await carrier.transfer("d-ipa", pub.params, [[4]], timeout_s=30)
+        assert e.value.reason == "DCP_MISMATCH"
+        for _ in range(200):
+            if p.node.leases.live_count == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert p.node.leases.live_count == 0, "P's lease was given back"
+        assert dialled == [], dialled
