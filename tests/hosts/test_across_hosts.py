@@ -66,9 +66,11 @@ async def test_a_transfer_between_two_hosts_is_exact(p_tp, d_tp, layout, env):
 
 async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_succeeds():
     """P's host loses its link while D reads (the cable of P's host pulled): D's transfer
-    ends with a typed error by its deadline, with its blocks settled (the answer comes only
-    then); P's lease is not left held for ever (its TTL frees it: D's abort cannot reach P);
-    once the link is back the same engines serve the next request."""
+    ends with a typed error by its deadline; the engine reuses its blocks only once D says
+    the transfer settled -- which, for a READ the link cut off, is when UCX ends it after
+    the link is back (its reply may still land: then, not later); P's lease is not left
+    held for ever (its TTL frees it: D's abort cannot reach P); once the link is back the
+    same engines serve the next request, with the right bytes in the reused blocks."""
     import asyncio
     import time
 
@@ -101,6 +103,8 @@ async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_s
                         assert time.monotonic() - t0 < 8 + 5, "answered by the transfer's deadline"
                     finally:
                         a.link(True)
+                    # As an engine must before it reuses the blocks (the "after" transfer writes 5 and 6).
+                    await asyncio.wait_for(s.dc.settled("d-cut", e.value), 120)
                     # P's lease: freed by its TTL at the latest (D's abort may not have reached it).
                     deadline = time.monotonic() + 15
                     while (await s.pc.get_info()).live_leases and time.monotonic() < deadline:

@@ -52,6 +52,10 @@ def test_nothing_outlives_a_harness_that_is_killed():
     while any(_alive(p) for p in inits) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in inits), "a host's processes outlived the harness"
+    # Its parent's death sent it SIGKILL; it may take a moment to be gone.
+    while subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode == 0 and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
     assert subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode != 0
     removed = remove_stale()
     assert f"kvb{child.pid}" in removed and not _ours(child.pid)
