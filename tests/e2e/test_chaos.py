@@ -440,9 +440,14 @@ async def test_kill_prefill_and_decode_mid_transfer_and_restart(tmp_path):
                 await asyncio.sleep(0.01)
                 d.kill()
                 d.stop()
-                for c in calls:
-                    with pytest.raises((KvsvcError, asyncio.CancelledError)):
+                ended = Counter()
+                for c in calls:  # one that finished before the kill consumed its lease: fine
+                    try:
                         await c
+                        ended["OK"] += 1
+                    except (KvsvcError, asyncio.CancelledError) as e:
+                        ended[getattr(e, "reason", "CANCELLED")] += 1
+                assert ended["OK"] < len(calls), f"D was killed after every transfer ended: {ended}"
                 assert await wait_until(lambda: _no_leases(pc), 10), "D died: P must get its blocks back"
                 d2 = start_server(engine_id="kill-d", role="decode", tp_size=1, layout=big, config_file=cfg)
                 spare.append(d2)
