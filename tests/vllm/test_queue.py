@@ -1,7 +1,7 @@
 """Requests that wait in D's queue longer than P's lease still load, with vLLM's defaults.
 
 D runs one request at a time (max_num_seqs=1), so of a batch P prefilled at once the last
-ones wait in D's queue for several of P's 3-second lease lifetimes; D's connector
+ones wait in D's queue for several of P's 4-second lease lifetimes; D's connector
 heartbeats their leases meanwhile. With the default kv_load_failure_policy ("fail") an
 expired lease would fail the request; here every one must load (P releases each
 CONSUMED, none EXPIRED) and answer as the aggregated engine does.
@@ -19,8 +19,8 @@ from tests.vllm.releases import Releases, p_servers
 
 pytestmark = pytest.mark.timeout(900)
 
-TTL_S = 3.0
-TOKENS = 300  # long enough that each request holds D for a while (prompts are up to 150 tokens); 8 compared
+TTL_S = 4.0  # above P's batch time: a request's lease runs from P's finishing it, heartbeats start at D
+TOKENS = 400  # long enough that each request holds D for a while (prompts are up to 150 tokens); 8 compared
 
 
 def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, reference):
