@@ -89,6 +89,24 @@ async def test_the_packed_package_installs_and_carries_its_protos(tmp_path):
     got = json.loads(out.strip().splitlines()[-1])
     assert got["engine"] == "e2e-prefill"
     assert Path(got["proto"]).resolve().is_relative_to((app / "node_modules" / "kvsvc-client").resolve())
+    # The example the package ships, run from where npm put it: a whole transfer, byte for byte.
+    example = app / "node_modules" / "kvsvc-client" / "examples" / "transfer.js"
+    with servers(1, 1, layout) as (p, d):
+        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+            pe, de = await Engine.of(pc), await Engine.of(dc)
+            try:
+                pe.fill([[2, 7]])
+                node = await asyncio.create_subprocess_exec(NODE, str(example), p.address, d.address, "2,7", "6,1",
+                                                            cwd=app, stdout=asyncio.subprocess.PIPE,
+                                                            stderr=asyncio.subprocess.PIPE)
+                out_b, err_b = await asyncio.wait_for(node.communicate(), 120)
+                assert node.returncode == 0, err_b.decode()
+                summary = json.loads(out_b.decode().strip().splitlines()[-1])
+                assert summary["settled"] == "TRANSFER_STATE_SUCCEEDED"
+                assert not de.check([[6, 1]]), "the bytes the packed example asked for arrived"
+            finally:
+                pe.close()
+                de.close()
 
 
 async def test_only_idempotent_calls_are_retried_and_only_when_no_server_answered():
