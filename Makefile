@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
+.PHONY: etcd rdma-libs prometheus venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,15 +33,15 @@ demo: $(STAMP)
 # The suite: kvsvc's own tests, then real vLLM engines through kvsvc's connector.
 test: test-core test-vllm
 
-test-core: $(STAMP) proto-check node etcd rdma-libs
+test-core: $(STAMP) proto-check node etcd rdma-libs prometheus
 	$(BIN)/python -m pytest -q -m "not full"
 
 # Real vLLM engines through kvsvc's connector (tests/vllm), in .venv-vllm (about 3.5 GB; the
 # tests take several minutes on two cores; test-full adds the GQA hetero-TP pairs).
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) prometheus
 	$(VLLM_VENV)/bin/python -m pytest -q -m "not full" tests/vllm
 
-test-full: $(STAMP) proto-check node etcd rdma-libs $(VLLM_STAMP)
+test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
@@ -85,6 +85,15 @@ rdma-libs:
 		 apt-get download -q $(RDMA_PACKAGES) >/dev/null 2>&1)) && \
 		for deb in *.deb; do dpkg -x "$$deb" ../root; done ) || true
 	@test -d .rdma-libs/root/etc/libibverbs.d || echo "rdma-core packages not unpacked: the RDMA-host exit test will be skipped"
+
+# Prometheus and promtool (Debian's build, unpacked into .prometheus/root, not installed as a
+# service): the checks of deploy/monitoring's alert rules and dashboard against a real scrape.
+prometheus:
+	@test -x .prometheus/root/usr/bin/promtool || ! command -v apt-get >/dev/null 2>&1 || ( \
+		rm -rf .prometheus && mkdir -p .prometheus/debs && cd .prometheus/debs && \
+		(apt-get download -q prometheus >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+		 apt-get download -q prometheus >/dev/null 2>&1)) && dpkg -x prometheus_*.deb ../root ) || true
+	@test -x .prometheus/root/usr/bin/promtool || echo "prometheus not unpacked: the monitoring checks will be skipped"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvsvc tests clients/python

@@ -62,6 +62,12 @@ class Metrics:
         # Labelled children, looked up once: prometheus_client's labels() validates and
         # locks on every call, ten of them per transfer (bounded as the label values are).
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # Counters of rare events exist at 0 from the start: a series that appears only with its
+        # first event hides that event from rate() and increase(), and from the alerts on them.
+        self._child(self._nixl_errors, self.engine)
+        self._child(self._rehandshakes, self.engine)
+        for reason in ("consumed", "expired", "aborted"):
+            self._child(self._releases, self.engine, reason)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), labels)

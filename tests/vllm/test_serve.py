@@ -172,3 +172,17 @@ def test_a_request_d_never_asks_for_expires_and_p_gets_its_blocks_back(served):
         releases.close()
     nothing_held(p, d)
     assert p.wait_metric("vllm:kvsvc_num_kv_expired_reqs_total", 1) >= 1
+
+
+def test_the_connector_alerts_and_panels_against_a_real_scrape(served, tmp_path):
+    """deploy/monitoring's vLLM half: a real Prometheus scraping these engines' /metrics (after
+    the transfers, aborts and the expiry above) evaluates every rule and panel on vllm:kvsvc_*
+    and finds each metric and label they name."""
+    from tests.prom import alert_rules, check_exprs_against, dashboard_exprs, prometheus
+
+    p, d, _ = served
+    targets = [s.url.removeprefix("http://") for s in (p, d)]
+    with prometheus({"vllm": targets}, tmp_path) as prom:
+        exprs = [r["expr"] for r in alert_rules("kvsvc-vllm")] + [e for e in dashboard_exprs() if "vllm:" in e]
+        assert len(exprs) >= 8
+        check_exprs_against(prom, exprs)
