@@ -1,4 +1,4 @@
-"""Every grpcurl line of the README, run as pasted (from the repository root, venv not
+"""Every grpcurl line of docs/USAGE.md, run as pasted (from the repository root, venv not
 activated) with the real grpcurl binary against a live `kvsvc serve`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PASTED = ".venv/bin/grpcurl "
 
 
 def readme_commands() -> list[tuple[str, str]]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "USAGE.md").read_text()
     block = text.split("<!-- grpcurl:begin -->")[1].split("<!-- grpcurl:end -->")[0]
     out = []
     for line in block.splitlines():

@@ -1,4 +1,4 @@
-"""The README's Python, Node.js and config snippets, run as pasted against live servers.
+"""docs/USAGE.md's Python, Node.js and config snippets, run as pasted against live servers.
 
 The one edit made to a snippet is the server addresses (the tests' servers listen on free
 ports). The grpcurl lines have their own test (test_grpcurl_readme.py).
@@ -18,7 +18,7 @@ import pytest
 from tests.e2e.harness import layout_table, servers
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "docs" / "USAGE.md").read_text()
 NODE = shutil.which("node")
 
 

@@ -48,7 +48,7 @@ def test_client_import_needs_no_torch_or_nixl():
 def test_readme_config_loads(tmp_path):
     from kvsvc.config import MemoryMode, Role, load_config
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "USAGE.md").read_text()
     toml = text.split("### Config")[1].split("```toml")[1].split("```")[0]
     path = tmp_path / "node.toml"
     path.write_text(toml)

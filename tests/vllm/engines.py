@@ -235,7 +235,7 @@ class Engines:
 
 
 # Generous lease and peer deadlines: on two cores shared by several engines, a first contact between
-# fresh engines has been seen to stall for ~30 s (README, Use with vLLM); the tests check the bytes
+# fresh engines has been seen to stall for ~30 s (docs/VLLM.md); the tests check the bytes
 # and the lease accounting, not the latency.
 PATIENT = {"lease_ttl_s": 150, "peer_timeout_s": 60}
 

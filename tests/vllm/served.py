@@ -1,4 +1,4 @@
-"""`vllm serve` engines and the kvsvc router, as a user runs them (README, Use with vLLM).
+"""`vllm serve` engines and the kvsvc router, as a user runs them (docs/VLLM.md).
 
 Each is a process group of its own, stopped (and killable) as a whole. The servers run
 in vLLM's dev mode for POST /reset_prefix_cache, which succeeds only when no KV block is

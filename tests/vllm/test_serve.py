@@ -1,6 +1,6 @@
 """`vllm serve` P and D engines with KvsvcConnector behind kvsvc's router, over HTTP.
 
-What the README's "Use with vLLM" tells a user to run: two OpenAI-compatible servers
+What docs/VLLM.md tells a user to run: two OpenAI-compatible servers
 and `python -m kvsvc.integrations.vllm.router`. Answers equal the aggregated run (greedy
 token ids and logprobs). Aborts are real client disconnects, which vLLM turns into
 request aborts; after each, P's blocks come back (kvsvc released the lease) and D holds
