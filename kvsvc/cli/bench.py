@@ -7,8 +7,8 @@ import asyncio
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--json", help="write the figures here")
-    b.add_argument("--plot", metavar="DIR", help="draw bandwidth.png and latency.png here (matplotlib)")
+    b.add_argument("--json", help="write every figure here as JSON (default: not written)")
+    b.add_argument("--plot", metavar="DIR", help="draw bandwidth.png and latency.png here, with matplotlib (default: no charts)")
     b.add_argument("--runs", type=int, default=10, help="timed requests per size and path (default 10)")
     b.add_argument("--max-mib", type=float, default=64, help="largest request, MiB (default 64)")
     b.add_argument("--layers", type=int, default=4, help="layers of the benchmark model (default 4: 256 KiB blocks)")
@@ -17,11 +17,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--memory", choices=("dram", "vram"), default="dram",
                    help="pools of the servers started here, the raw NIXL reader's and memcpy's buffers: host memory "
                         "(dram, default) or GPU memory (vram: needs CUDA; memcpy is then a device-to-device copy)")
-    b.add_argument("--prefill", metavar="ADDR", help="a running P server (with --decode; else two are started)")
-    b.add_argument("--decode", metavar="ADDR", help="a running D server; its blocks are overwritten")
-    b.add_argument("--ca", help="PEM roots for TLS to --prefill/--decode")
-    b.add_argument("--cert", help="PEM client certificate (mTLS)")
-    b.add_argument("--key", help="PEM client key (mTLS)")
+    b.add_argument("--prefill", metavar="ADDR", help="a running P server, with --decode (default: start a P and a D server)")
+    b.add_argument("--decode", metavar="ADDR", help="a running D server, whose blocks are overwritten (default: started here)")
+    b.add_argument("--ca", help="PEM roots for TLS to --prefill/--decode (default: plaintext)")
+    b.add_argument("--cert", help="PEM client certificate, for mutual TLS (default: none)")
+    b.add_argument("--key", help="PEM client key, for mutual TLS (default: none)")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 

@@ -62,11 +62,12 @@ def _leases(args: argparse.Namespace) -> int:
 
 def _connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (proto field names) instead of text")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
-    p.add_argument("--ca", help="PEM roots: speak TLS to the server")
-    p.add_argument("--cert", help="PEM client certificate (mTLS)")
-    p.add_argument("--key", help="PEM client key (mTLS)")
-    p.add_argument("--server-name", help="name the server's certificate carries, if not the address's host")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server's answer")
+    p.add_argument("--ca", help="PEM roots: speak TLS to the server (default: plaintext)")
+    p.add_argument("--cert", help="PEM client certificate, for mutual TLS (default: none)")
+    p.add_argument("--key", help="PEM client key, for mutual TLS (default: none)")
+    p.add_argument("--server-name", help="name the server's certificate carries, e.g. its engine id (default: the "
+                   "address's host)")
 
 
 def _client_options(args: argparse.Namespace) -> ClientOptions:
@@ -99,10 +100,27 @@ def _logging_arguments(p: argparse.ArgumentParser, default: Any) -> None:
                    help="log lines as text or as one JSON object each (with request_id and trace_id)")
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every flag's default shown where its help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvsvc import __version__
 
-    ap = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated inference")
+    ap = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated inference",
+                                 formatter_class=_Help, epilog=_examples(
+                                     "kvsvc demo", "kvsvc serve --config node.toml", "kvsvc info 127.0.0.1:50051",
+                                     "kvsvc SUBCOMMAND --help"))
     ap.add_argument("--version", action="version", version=f"kvsvc {__version__}")
     _logging_arguments(ap, None)
     common = argparse.ArgumentParser(add_help=False)
@@ -113,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engines(sub)
     _add_demo(sub)
     b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side: sizes, concurrency, "
-                       "cold vs warm")
+                       "cold vs warm", epilog=_examples(
+                           "kvsvc bench --json bench/results.json --plot docs/bench",
+                           "kvsvc bench --prefill 10.0.0.5:50051 --decode 10.0.0.6:50051 --ca ca.pem",
+                           "kvsvc bench --memory vram --max-mib 256"))
     from kvsvc.cli.bench import add_arguments
 
     add_arguments(b)
@@ -122,80 +143,112 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Subcommands:
-    """add_subparsers' result, every subcommand taking the logging arguments too."""
+    """add_subparsers' result, every subcommand taking the logging arguments too and showing
+    its defaults and examples."""
 
     def __init__(self, action: Any, common: argparse.ArgumentParser) -> None:
         self._action, self._common = action, common
 
     def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
+        kw.setdefault("formatter_class", _Help)
         parser: argparse.ArgumentParser = self._action.add_parser(name, parents=[self._common], **kw)
         return parser
 
 
-Subparsers = _Subcommands
-
-
-def _add_serve(sub: Subparsers) -> None:
-    s = sub.add_parser("serve", help="run a server (defaults: 127.0.0.1:50051, a tiny built-in layout)")
-    s.add_argument("--config", help="TOML file with [server] and [layout] tables")
-    s.add_argument("--listen", help="host:port to bind (port 0: any free port)")
-    s.add_argument("--advertise", help="address peers should dial")
-    s.add_argument("--metrics-listen", help="host:port to serve Prometheus /metrics on (port 0: any free port)")
-    s.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this collector")
-    s.add_argument("--etcd", help="etcd endpoints, comma-separated: register this server there while it runs")
+def _add_serve(sub: _Subcommands) -> None:
+    s = sub.add_parser("serve", help="run a server (defaults: 127.0.0.1:50051, a tiny built-in layout)",
+                       description="Run a kvsvc server. Flags override the config file, which overrides the "
+                       "built-in defaults.", epilog=_examples(
+                           "kvsvc serve", "kvsvc serve --config node.toml",
+                           "kvsvc serve --listen 0.0.0.0:50051 --advertise 10.0.0.5:50051 --role prefill --tp-size 8 "
+                           "--memory vram --metrics-listen 0.0.0.0:9464",
+                           "kvsvc --log-format json serve --config node.toml --etcd http://etcd:2379"))
+    s.add_argument("--config", help="TOML file with [server] and [layout] tables (default: none, the built-in "
+                   "defaults)")
+    s.add_argument("--listen", help="host:port to bind, port 0 for any free port (default: the config's, else "
+                   "127.0.0.1:50051)")
+    s.add_argument("--advertise", help="address peers should dial (default: the config's, else the bound address)")
+    s.add_argument("--metrics-listen", help="host:port to serve Prometheus /metrics on, port 0 for any free port "
+                   "(default: the config's, else none)")
+    s.add_argument("--otlp-endpoint", help="export trace spans over OTLP/gRPC to this collector (default: the "
+                   "config's, else none)")
+    s.add_argument("--etcd", help="etcd endpoints, comma-separated: register this server there while it runs "
+                   "(default: the config's, else none)")
     s.add_argument("--etcd-prefix", help="key prefix of kvsvc's records in etcd (default /kvsvc/v1)")
-    s.add_argument("--engine-id", help="the engine this server belongs to, unique in the deployment (default kvsvc-engine)")
+    s.add_argument("--engine-id", help="the engine this server belongs to, unique in the deployment (default "
+                   "kvsvc-engine)")
     s.add_argument("--role", choices=["prefill", "decode", "both"], help="what the engine does (default both)")
     s.add_argument("--tp-size", type=int, help="the engine's tensor-parallel size (default 1)")
     s.add_argument("--ranks", help="hosted TP ranks, comma-separated (default: all)")
-    s.add_argument("--memory", choices=["dram", "vram", "none"], help="where pools live (none: control plane only)")
-    s.add_argument("--layout-json", help="the [layout] table as JSON (overrides the config file)")
-    s.add_argument("--siblings", help="addresses of this engine's other servers, comma-separated (PublishBlocks "
-                   "here leases the request on them too)")
+    s.add_argument("--memory", choices=["dram", "vram", "none"], help="where pools live, none for the control "
+                   "plane only (default dram)")
+    s.add_argument("--layout-json", help="the [layout] table as JSON, overriding the config file's (default: the "
+                   "config's, else a tiny built-in layout)")
+    s.add_argument("--siblings", help="addresses of this engine's other servers, comma-separated: PublishBlocks "
+                   "here leases the request on them too (default: none)")
     s.set_defaults(func=_serve)
 
 
-def _add_inspection(sub: Subparsers) -> None:
-    i = sub.add_parser("info", help="print a server's GetInfo readably (--json: as JSON)")
-    i.add_argument("address", nargs="?", default="127.0.0.1:50051")
+_ADDRESS_HELP = "the server's host:port (default 127.0.0.1:50051)"
+_TLS_EXAMPLE = "--ca ca.pem --cert me.pem --key me.key --server-name prefill-0"
+
+
+def _add_inspection(sub: _Subcommands) -> None:
+    i = sub.add_parser("info", help="print a server's GetInfo readably (--json: as JSON)", epilog=_examples(
+        "kvsvc info", "kvsvc info 10.0.0.5:50051 --json", f"kvsvc info 10.0.0.5:50051 {_TLS_EXAMPLE}"))
+    i.add_argument("address", nargs="?", default="127.0.0.1:50051", help=_ADDRESS_HELP)
     _connection_arguments(i)
     i.set_defaults(func=_info)
 
-    h = sub.add_parser("health", help="the gRPC health check (exit 0: SERVING), over TLS when asked: for probes")
-    h.add_argument("address", nargs="?", default="127.0.0.1:50051")
+    h = sub.add_parser("health", help="the gRPC health check (exit 0: SERVING), over TLS when asked: for probes",
+                       epilog=_examples("kvsvc health", f"kvsvc health 127.0.0.1:50051 {_TLS_EXAMPLE} --timeout 4"))
+    h.add_argument("address", nargs="?", default="127.0.0.1:50051", help=_ADDRESS_HELP)
     h.add_argument("--service", default="", help="service name to check (default: the whole server)")
     _connection_arguments(h)
     h.set_defaults(func=_health)
 
-    ls = sub.add_parser("leases", help="list a server's live leases, peers and running transfers (read only)")
-    ls.add_argument("address", nargs="?", default="127.0.0.1:50051")
-    ls.add_argument("--limit", type=int, default=0, help="at most this many leases (default 1000)")
-    ls.add_argument("--prefix", default="", help="only request ids starting with this")
+    ls = sub.add_parser("leases", help="list a server's live leases, peers and running transfers (read only)",
+                        epilog=_examples("kvsvc leases", "kvsvc leases 10.0.0.5:50051 --prefix chat- --limit 20",
+                                         f"kvsvc leases 10.0.0.5:50051 {_TLS_EXAMPLE} --json"))
+    ls.add_argument("address", nargs="?", default="127.0.0.1:50051", help=_ADDRESS_HELP)
+    ls.add_argument("--limit", type=int, default=0, help="at most this many leases (default 0: the server's "
+                    "limit, 1000)")
+    ls.add_argument("--prefix", default="", help="only request ids starting with this (default: all)")
     _connection_arguments(ls)
     ls.set_defaults(func=_leases)
 
 
-def _add_engines(sub: Subparsers) -> None:
-    e = sub.add_parser("engines", help="the engines registered in etcd and their servers (--watch: follow changes)")
-    e.add_argument("--etcd", required=True, help="etcd endpoints, comma-separated (http://host:2379)")
-    e.add_argument("--engine", default="", help="only this engine id")
+def _add_engines(sub: _Subcommands) -> None:
+    e = sub.add_parser("engines", help="the engines registered in etcd and their servers (--watch: follow changes)",
+                       epilog=_examples("kvsvc engines --etcd http://127.0.0.1:2379",
+                                        "kvsvc engines --etcd http://127.0.0.1:2379 --engine prefill-0 --json",
+                                        "kvsvc engines --etcd http://127.0.0.1:2379 --watch"))
+    e.add_argument("--etcd", required=True, help="etcd endpoints, comma-separated, e.g. http://host:2379 (required)")
+    e.add_argument("--engine", default="", help="only this engine id (default: all)")
     e.add_argument("--etcd-prefix", default="", help="key prefix of kvsvc's records (default /kvsvc/v1)")
     e.add_argument("--json", action="store_true", help="print JSON")
     e.add_argument("--watch", action="store_true", help="print the servers, then each one that comes or goes")
     e.set_defaults(func=_engines)
 
 
-def _add_demo(sub: Subparsers) -> None:
-    d = sub.add_parser("demo", help="a real P->D transfer between two server processes on loopback")
-    d.add_argument("--prefill-tp", type=int, default=2)
-    d.add_argument("--decode-tp", type=int, default=1)
-    d.add_argument("--kv-heads", type=int, default=8)
-    d.add_argument("--head-size", type=int, default=None, help="default 128, or 576 with --mla")
+def _add_demo(sub: _Subcommands) -> None:
+    d = sub.add_parser("demo", help="a real P->D transfer between two server processes on loopback",
+                       description="Start prefill and decode servers, publish a request's KV on P, transfer it to D "
+                       "and verify every byte against an independent reference.", epilog=_examples(
+                           "kvsvc demo",
+                           "kvsvc demo --prefill-tp 4 --decode-tp 2 --kv-heads 8 --layers 8 --blocks 128",
+                           "kvsvc demo --prefill-tp 2 --decode-tp 1 --mla --layers 4",
+                           "kvsvc demo --prefill-tp 4 --decode-tp 2 --prefill-servers 2 --decode-servers 2"))
+    d.add_argument("--prefill-tp", type=int, default=2, help="tensor parallelism of the prefill engine")
+    d.add_argument("--decode-tp", type=int, default=1, help="tensor parallelism of the decode engine")
+    d.add_argument("--kv-heads", type=int, default=8, help="KV heads of the model (ignored with --mla)")
+    d.add_argument("--head-size", type=int, default=None, help="elements per head (default 128, or 576 with "
+                   "--mla)")
     d.add_argument("--mla", action="store_true", help="an MLA layout (one latent head per token)")
-    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--layers", type=int, default=4, help="layers of the model")
     d.add_argument("--blocks", type=int, default=64, help="blocks per request")
     d.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    d.add_argument("--dtype", default="bfloat16")
+    d.add_argument("--dtype", default="bfloat16", help="KV cache dtype")
     d.add_argument("--prefill-servers", type=int, default=1,
                    help="split the prefill engine's ranks evenly over this many server processes")
     d.add_argument("--decode-servers", type=int, default=1,
@@ -204,7 +257,7 @@ def _add_demo(sub: Subparsers) -> None:
                    help="decode context parallelism of the prefill engine (MLA only: 1 or --prefill-tp)")
     d.add_argument("--decode-dcp", type=int, default=1,
                    help="decode context parallelism of the decode engine (MLA only: 1 or --decode-tp)")
-    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--quiet", action="store_true", help="no progress lines")
     d.set_defaults(func=_demo)
 
 
