@@ -162,3 +162,14 @@ def test_the_discovery_commands_against_a_real_etcd(etcd, tmp_path):  # noqa: F8
                 w.wait(30)
     finally:
         assert sp.stop() == 0
+
+
+def test_the_front_pages_stay_short():
+    """The README is a front page and PERFORMANCE a report: details live in the other docs
+    and the run history in bench/history.jsonl."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+    assert len((ROOT / "docs" / "PERFORMANCE.md").read_text().splitlines()) <= 150
+    import json
+
+    runs = [json.loads(line) for line in (ROOT / "bench" / "history.jsonl").read_text().splitlines()]
+    assert runs and all({"bench", "label", "overhead_p50_ms"} <= r.keys() for r in runs)
