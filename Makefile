@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs prometheus venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
+.PHONY: etcd rdma-libs prometheus sglang-venv venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,6 +57,32 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
+
+# SGLang (0.5.23) lives in its own venv too (about 7.6 GB), for tests/sglang. On a GPU node its
+# own dependencies; without one, torch 2.14.1 (its CUDA build runs on CPU; the CPU 2.13 does
+# not pair with the torchvision SGLang imports) and SGLang's non-CUDA dependencies
+# (tests/sglang/requirements-cpu.txt), then sglang itself without dependencies. The CPU
+# stand-ins SGLang needs here are test fixtures (tests/sglang/cpu_fixtures), never installed.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
+
+$(SGLANG_STAMP): pyproject.toml tests/sglang/requirements-cpu.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	echo "torch==2.14.1" > $(SGLANG_PIN)
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(SGLANG_VENV)/bin/pip install -q "sglang==0.5.23"; \
+	else \
+		$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 && \
+		$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) -r tests/sglang/requirements-cpu.txt && \
+		$(SGLANG_VENV)/bin/pip install -q --no-deps "sglang==0.5.23"; \
+	fi
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) sglang-router "nixl==1.5.1"
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) -e ".[server,dev]"
+	touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
 
 # The Node.js client's packages (skipped, with a note, where Node.js is absent).
 node: $(NODE_STAMP)
