@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs prometheus sglang-venv venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
+.PHONY: etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,9 +41,14 @@ test-core: $(STAMP) proto-check node etcd rdma-libs prometheus
 test-vllm: $(VLLM_STAMP) prometheus
 	$(VLLM_VENV)/bin/python -m pytest -q -m "not full" tests/vllm
 
-test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP)
+test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
+
+# Real SGLang servers (tests/sglang, in .venv-sglang; part of test-full).
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)

@@ -4,7 +4,8 @@ With SGLANG_USE_CPU_ENGINE=1 SGLang imports a few CPU ops from `sgl_kernel` at i
 they exist only in sgl-kernel's CPU build, which is built from source (PyPI's sglang-kernel
 needs libcuda). These are the two the prefill/decode path runs, in plain torch, on this
 directory put on PYTHONPATH by the SGLang tests (never in anything a GPU deployment loads).
-Any other name raises, naming itself, so a path that needs more fails loudly.
+Any other name imports (SGLang imports a few speculative-decoding ops at start-up) but
+raises when called, naming itself, so a path that needs more fails loudly.
 """
 
 from __future__ import annotations
@@ -37,4 +38,11 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
 
 
 def __getattr__(name: str):
-    raise NotImplementedError(f"sgl_kernel.{name} is not in the CPU stand-in (tests/sglang/cpu_fixtures)")
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name} is not in the CPU stand-in (tests/sglang/cpu_fixtures)")
+
+    missing.__name__ = name
+    return missing
