@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvsvc.memory.pools import MemoryKind, Pool
-from kvsvc.transport.nixl_thread import InFlight, NixlThread
+from kvsvc.transport.nixl_thread import NixlThread
+from kvsvc.transport.ports import Flight
 from kvsvc.transport.reads import read_maker, split_descriptors
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class CopyLanes:
                 log.debug("remove_remote_agent %s on copy lane %d failed", remote, lane, exc_info=True)
 
     async def post(self, rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-                   length: np.ndarray, remote_memory: str, remote_device: int) -> list[InFlight]:
+                   length: np.ndarray, remote_memory: str, remote_device: int) -> list[Flight]:
         """Post the READ in parts over the lanes (takes() first). Every part is posted, or,
         if one could not be, those that were are cancelled and waited out before this raises:
         a caller never has to settle READs it did not hear of. Not to be cancelled midway
@@ -141,7 +142,7 @@ class CopyLanes:
         parts = split_descriptors(local_addr, remote_addr, length, max(1, min(self.count, total // LANE_PART_MIN_BYTES)))
         first = self._next
         self._next = (self._next + len(parts)) % self.count
-        posts: list[Coroutine[Any, Any, InFlight]] = []
+        posts: list[Coroutine[Any, Any, Flight]] = []
         for i, (la, ra, ln) in enumerate(parts):
             lane = (first + i) % self.count
             own = self._agents[lane][rank]
@@ -149,15 +150,15 @@ class CopyLanes:
                               remote_memory, remote_device)
             posts.append(self._threads[lane].post(own.agent, make))
         results = await asyncio.gather(*posts, return_exceptions=True)
-        flights = [r for r in results if isinstance(r, InFlight)]
-        failed = [r for r in results if not isinstance(r, InFlight)]
+        flights = [r for r in results if isinstance(r, Flight)]
+        failed = [r for r in results if not isinstance(r, Flight)]
         if failed:
             await self.abort(flights)
             await asyncio.gather(*(f.settled.wait() for f in flights))
             raise failed[0]
         return flights
 
-    async def abort(self, flights: list[InFlight]) -> None:
+    async def abort(self, flights: list[Flight]) -> None:
         """Cancel what NIXL can of these READs (each lane looks only at its own)."""
         if flights:
             for thread in self._threads:

@@ -21,7 +21,8 @@ import numpy as np
 from kvsvc.errors import Internal, KvsvcError, Unavailable
 from kvsvc.memory.pools import MemoryKind, Pool
 from kvsvc.transport.copy_lanes import CopyLanes
-from kvsvc.transport.nixl_thread import InFlight, NixlThread, TransferError
+from kvsvc.transport.nixl_thread import NixlThread, TransferError
+from kvsvc.transport.ports import Flight
 from kvsvc.transport.reads import read_maker
 from kvsvc.transport.ucx_cuda import allow_cuda_ipc_reads, bind_cuda_device
 from kvsvc.transport.ucx_probe import enable_protocol_log, forget_environment, read_transports, remove_log
@@ -213,10 +214,10 @@ class NixlDataPlane:
     async def read(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
         length: np.ndarray, remote_memory: MemoryKind = MemoryKind.DRAM, remote_device: int = 0,
-    ) -> list[InFlight]:
+    ) -> list[Flight]:
         """Post one READ of len(length) descriptors: in parts over the copy lanes when it is
         long and between DRAM pools, else as one READ on the NIXL thread (or inline, see
-        read_now). Each InFlight resolves with its part's duration; all of them together
+        read_now). Each Flight resolves with its part's duration; all of them together
         are the READ.
 
         The READ carries no NIXL notification. P learns that its blocks were read from the
@@ -239,7 +240,7 @@ class NixlDataPlane:
     def read_now(
         self, local_rank: int, remote_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
         length: np.ndarray, remote_memory: MemoryKind = MemoryKind.DRAM, remote_device: int = 0,
-    ) -> InFlight | None:
+    ) -> Flight | None:
         """read(), posted before this returns when the READ is short (see INLINE_READ_MAX_BYTES)
         and NIXL free at once (no task, no hand-off: most of a short transfer); None
         otherwise (then read())."""
@@ -261,7 +262,7 @@ class NixlDataPlane:
         return ra.agent, read_maker(ra.agent, ra.pool.memory_kind, ra.pool.device_id, remote_name, local_addr,
                                     remote_addr, length, remote_memory, remote_device)
 
-    async def abort(self, flights: list[InFlight]) -> None:
+    async def abort(self, flights: list[Flight]) -> None:
         """Cancel what NIXL can of these READs; the rest settle when they end."""
         running = [f for f in flights if not f.settled.is_set()]
         await self._thread.abort(running)

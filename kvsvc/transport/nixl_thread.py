@@ -54,7 +54,6 @@ to do: a UCX target that never progresses stalls its readers' next READ after so
 _STOP = object()
 
 
-InFlight = Flight  # the NIXL thread's name for a posted READ (ports.Flight)
 
 
 def _fail_future(fut: asyncio.Future[Any], error: Exception) -> None:
@@ -72,7 +71,7 @@ class NixlThread:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_closed = False
-        self._inflight: list[InFlight] = []
+        self._inflight: list[Flight] = []
         self._progress_agents: list[Any] = []
         self._progress_refs = 0
         self._beat = False
@@ -135,7 +134,7 @@ class NixlThread:
         self._submit((fn, args, fut, loop))
         return await fut
 
-    def post_now(self, agent: Any, make_handle: Callable[[], Any]) -> InFlight | None:
+    def post_now(self, agent: Any, make_handle: Callable[[], Any]) -> Flight | None:
         """Create and post a transfer from the calling (event loop) thread, if NIXL is free at
         once; None if the NIXL thread holds it (post() then). For short READs only: a READ
         between processes of one host copies inside the post."""
@@ -143,7 +142,7 @@ class NixlThread:
         if not self._nixl.acquire(blocking=False):
             return None
         loop = asyncio.get_running_loop()
-        fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
+        fl = Flight(agent, None, loop, loop.create_future(), asyncio.Event())
         try:
             if self._stopping:  # nobody would poll it: refuse, as a dead thread does
                 raise TransferError("the NIXL thread is stopping")
@@ -162,21 +161,21 @@ class NixlThread:
             self._submit((self._track, (fl,), None, None))  # still running: polled by the thread
         return fl
 
-    async def post(self, agent: Any, make_handle: Callable[[], Any], inline: bool = False) -> InFlight:
+    async def post(self, agent: Any, make_handle: Callable[[], Any], inline: bool = False) -> Flight:
         """Create and post a transfer (inline: from this thread when NIXL is free, see
-        post_now; else on the NIXL thread); the returned InFlight resolves later."""
+        post_now; else on the NIXL thread); the returned Flight resolves later."""
         if inline:
             fl = self.post_now(agent, make_handle)
             if fl is not None:
                 return fl
         self._check_alive()
         loop = asyncio.get_running_loop()
-        fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
-        posted: asyncio.Future[InFlight] = loop.create_future()
+        fl = Flight(agent, None, loop, loop.create_future(), asyncio.Event())
+        posted: asyncio.Future[Flight] = loop.create_future()
         self._submit((self._post, (fl, make_handle), posted, loop))
         return await posted
 
-    async def abort(self, flights: list[InFlight]) -> None:
+    async def abort(self, flights: list[Flight]) -> None:
         """Give up waiting for these transfers' results: each fails now ("transfer
         cancelled"), but settles only when NIXL says it ended (DONE or ERR).
 
@@ -213,7 +212,7 @@ class NixlThread:
         self._progress_refs = max(0, self._progress_refs + delta)
 
     @staticmethod
-    def _start(fl: InFlight, make_handle: Callable[[], Any]) -> tuple[bool, Exception | None]:
+    def _start(fl: Flight, make_handle: Callable[[], Any]) -> tuple[bool, Exception | None]:
         """Make and post the transfer (NIXL held by the caller): (over, its error)."""
         fl.handle = make_handle()
         fl.posted_at = time.perf_counter()
@@ -231,7 +230,7 @@ class NixlThread:
             return True, TransferError("NIXL refused to post the transfer")
         return state == "DONE", None
 
-    def _post(self, fl: InFlight, make_handle: Callable[[], Any]) -> InFlight:
+    def _post(self, fl: Flight, make_handle: Callable[[], Any]) -> Flight:
         over, error = self._start(fl, make_handle)
         if over:
             self._finish(fl, error)
@@ -239,27 +238,26 @@ class NixlThread:
             self._inflight.append(fl)
         return fl
 
-    def _track(self, fl: InFlight) -> None:
+    def _track(self, fl: Flight) -> None:
         self._inflight.append(fl)
 
-    def _abort(self, flights: list[InFlight]) -> None:
+    def _abort(self, flights: list[Flight]) -> None:
         wanted = {id(f) for f in flights}
         for fl in self._inflight:
             if id(fl) in wanted:
                 fl.loop.call_soon_threadsafe(_fail_future, fl.result, TransferError("transfer cancelled"))
 
     @staticmethod
-    def _end(fl: InFlight, release: bool = True) -> None:
+    def _end(fl: Flight) -> None:
         """Time the transfer and let go of its handle (NIXL held by the caller)."""
         fl.elapsed = time.perf_counter() - fl.posted_at
-        if release:
-            try:
-                fl.agent.release_xfer_handle(fl.handle)
-            except Exception:  # releasing a failed handle may fail too; the transfer is over either way
-                log.debug("release_xfer_handle failed", exc_info=True)
+        try:
+            fl.agent.release_xfer_handle(fl.handle)
+        except Exception:  # releasing a failed handle may fail too; the transfer is over either way
+            log.debug("release_xfer_handle failed", exc_info=True)
 
-    def _finish(self, fl: InFlight, error: Exception | None, release: bool = True) -> None:
-        self._end(fl, release)
+    def _finish(self, fl: Flight, error: Exception | None) -> None:
+        self._end(fl)
 
         def resolve() -> None:
             if not fl.result.done():
@@ -274,7 +272,7 @@ class NixlThread:
     def _poll(self) -> bool:
         """Advance every in-flight transfer once; True when something completed."""
         progressed = False
-        still: list[InFlight] = []
+        still: list[Flight] = []
         for fl in self._inflight:
             err: Exception | None = None
             try:

@@ -12,7 +12,7 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.errors import KvsvcError
 from kvsvc.transport.copy_lanes import LANE_READ_MIN_BYTES, CopyLanes
-from kvsvc.transport.nixl_thread import InFlight
+from kvsvc.transport.ports import Flight
 from tests.e2e.harness import Engine, in_process_pair, layout_table, same_block_bytes
 
 # 1 MiB blocks (8 layers x K and V x 64 KiB): 16 blocks make a READ the lanes take.
@@ -27,7 +27,7 @@ class LanePosts:
         self.reads, self.parts = 0, 0
         real = lanes.post
 
-        async def post(*args: Any, **kw: Any) -> list[InFlight]:
+        async def post(*args: Any, **kw: Any) -> list[Flight]:
             flights = await real(*args, **kw)
             self.reads += 1
             self.parts += len(flights)

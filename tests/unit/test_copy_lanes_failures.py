@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvsvc.transport.copy_lanes import LANE_READ_MIN_BYTES, CopyLanes, LaneAgent
-from kvsvc.transport.nixl_thread import InFlight, TransferError
+from kvsvc.transport.ports import Flight, TransferError
 
 
 class Pool:
@@ -25,18 +25,18 @@ class FakeThread:
 
     def __init__(self, fail: bool) -> None:
         self.fail = fail
-        self.aborted: list[InFlight] = []
-        self.posted: list[InFlight] = []
+        self.aborted: list[Flight] = []
+        self.posted: list[Flight] = []
 
-    async def post(self, agent: Any, make: Any, inline: bool = False) -> InFlight:
+    async def post(self, agent: Any, make: Any, inline: bool = False) -> Flight:
         if self.fail:
             raise TransferError("NIXL refused the post")
         loop = asyncio.get_running_loop()
-        fl = InFlight(agent, None, loop, loop.create_future(), asyncio.Event())
+        fl = Flight(agent, None, loop, loop.create_future(), asyncio.Event())
         self.posted.append(fl)
         return fl
 
-    async def abort(self, flights: list[InFlight]) -> None:
+    async def abort(self, flights: list[Flight]) -> None:
         for fl in flights:
             if fl in self.posted and not fl.settled.is_set():
                 self.aborted.append(fl)
@@ -66,7 +66,7 @@ def test_transfer_response_counts_a_split_read_once() -> None:
 
     loop = asyncio.new_event_loop()
     try:
-        flights = [InFlight(None, None, loop, loop.create_future(), asyncio.Event()) for _ in range(3)]
+        flights = [Flight(None, None, loop, loop.create_future(), asyncio.Event()) for _ in range(3)]
         parts = _parts(1, flights, np.array([5, 7, 9]))
         assert [(x.nbytes, x.descriptors) for x in parts] == [(21, 3), (0, 0), (0, 0)]
         assert [x.flight for x in parts] == flights and {x.rank for x in parts} == {1}

@@ -20,7 +20,7 @@ from kvsvc.memory.pools import Pool
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer, RemoteRank
-from kvsvc.transport.nixl_thread import InFlight
+from kvsvc.transport.ports import Flight
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -30,18 +30,18 @@ class FakeData:
     alive = True
 
     def __init__(self) -> None:
-        self.flights: list[InFlight] = []
-        self.aborted: list[InFlight] = []
+        self.flights: list[Flight] = []
+        self.aborted: list[Flight] = []
 
-    async def abort(self, flights: list[InFlight]) -> None:
+    async def abort(self, flights: list[Flight]) -> None:
         self.aborted.extend(flights)
 
     def read_now(self, *args, **kw) -> None:
         return None  # READs here are long ones (the test ends them): posted through read()
 
-    async def read(self, *args, **kw) -> list[InFlight]:
+    async def read(self, *args, **kw) -> list[Flight]:
         loop = asyncio.get_running_loop()
-        fl = InFlight(None, None, loop, loop.create_future(), asyncio.Event())
+        fl = Flight(None, None, loop, loop.create_future(), asyncio.Event())
         self.flights.append(fl)
         return [fl]
 
@@ -238,7 +238,7 @@ class SlowAbortData(FakeData):
     """A data plane whose cancel takes a while and whose READs outlive their post (as over
     RDMA): a cancel of the job that lands meanwhile must not end it before they settled."""
 
-    async def abort(self, flights: list[InFlight]) -> None:
+    async def abort(self, flights: list[Flight]) -> None:
         self.aborted.extend(flights)
         await asyncio.sleep(0.05)
 
