@@ -41,10 +41,11 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# A Transfer's job stops at the caller's deadline less a margin (a tenth of the time,
+# A Transfer's job stops at the caller's deadline less a margin (a fifth of the time,
 # within these bounds), so the answer -- with TransferFailure, after the READs settled --
-# reaches the caller in time.
-DEADLINE_MARGIN = 0.1
+# reaches the caller in time. A tenth (150 ms of a 1.5 s deadline) was once too little on
+# a loaded 2-core host: the answer came after the caller's deadline.
+DEADLINE_MARGIN = 0.2
 MAX_DEADLINE_MARGIN_S = 1.0
 # A Transfer called without a deadline still ends.
 NO_DEADLINE_S = 600.0

@@ -46,6 +46,11 @@ FAST: list[Cell] = [
     Cell("eq-2-2", "equal", 2, 2, gqa(4)),
     Cell("eq-4-4-k2", "equal", 4, 4, gqa(2)),
     Cell("eq-2-2-nhd", "equal", 2, 2, gqa(4, kv_memory_layout="NHD")),
+    # NHD pages of one token (SGLang's default): heads contiguous, so heads split as under HND
+    Cell("p2-2-1-nhd-page1", "p>d / NHD page of 1", 2, 1, gqa(4, block=1, kv_memory_layout="NHD")),
+    Cell("d2-1-2-nhd-page1", "d>p / NHD page of 1", 1, 2, gqa(4, block=1, kv_memory_layout="NHD")),
+    Cell("p2-2-1-nhd1-hnd", "p>d / NHD page of 1 to HND", 2, 1, gqa(4, block=1, kv_memory_layout="NHD"),
+         gqa(4, block=1)),
     # D > P at ratios 2, 4, 8
     Cell("d2-1-2", "d>p", 1, 2, gqa(4)),
     Cell("d4-1-4", "d>p", 1, 4, gqa(8)),

@@ -78,6 +78,16 @@ def test_compatible_pairs():
         assert reasons(simple_layout(tp_size=lt, kv_heads=k), lt, simple_layout(tp_size=rt, kv_heads=k), rt) == set()
 
 
+def test_nhd_pages_of_one_token_split_heads_as_hnd_does():
+    """A one-token block is the same bytes under NHD and HND: heads may be split (SGLang's
+    pages); with longer blocks NHD's heads are not contiguous and a split is refused."""
+    one = {"kv_memory_layout": "NHD", "block_size": 1}
+    assert reasons(simple_layout(tp_size=1, **one), 1, simple_layout(tp_size=2, **one), 2) == set()
+    assert reasons(simple_layout(tp_size=2, **one), 2, simple_layout(tp_size=1, block_size=1), 1) == set()
+    assert "LAYOUT_MISMATCH" in reasons(simple_layout(tp_size=1, kv_memory_layout="NHD", block_size=2), 1,
+                                        simple_layout(tp_size=2, kv_memory_layout="NHD", block_size=2), 2)
+
+
 def test_gqa_replication_beyond_k_is_accepted():
     # The reference rejects K=8, P TP 8 -> D TP 16 because it scales block length by TP.
     assert reasons(simple_layout(tp_size=16, kv_heads=8), 16, simple_layout(tp_size=8, kv_heads=8), 8) == set()
