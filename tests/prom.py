@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.procs import stop
+
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "deploy" / "monitoring"
 _UNPACKED = ROOT / ".prometheus" / "root" / "usr" / "bin"
@@ -144,12 +146,7 @@ def prometheus(targets: dict[str, list[str]], tmp_path: Path) -> Iterator[Promet
         prom.wait_scrapes(1)
         yield prom
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
 
 

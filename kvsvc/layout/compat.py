@@ -79,13 +79,13 @@ def check_compatibility(
                       f"total KV heads differ: local {local.total_num_kv_heads}, remote {remote.total_num_kv_heads}",
                       local_total_num_kv_heads=local.total_num_kv_heads,
                       remote_total_num_kv_heads=remote.total_num_kv_heads))
-    if _memory_order(local) is not _memory_order(remote) and heads_split:
+    if local.memory_order is not remote.memory_order and heads_split:
         out.append(_v("LAYOUT_MISMATCH",
                       f"memory layouts differ ({local.kv_memory_layout.value} vs {remote.kv_memory_layout.value}) "
                       "and heads are split; use the same layout on both sides",
                       local_kv_memory_layout=local.kv_memory_layout.value,
                       remote_kv_memory_layout=remote.kv_memory_layout.value))
-    elif heads_split and KvMemoryLayout.NHD in (_memory_order(local), _memory_order(remote)):
+    elif heads_split and KvMemoryLayout.NHD in (local.memory_order, remote.memory_order):
         out.append(_v("LAYOUT_MISMATCH",
                       f"NHD layout with TP {local_tp} (local) vs {remote_tp} (remote) splits heads that are not "
                       "contiguous; use HND on both sides or equal TP",
@@ -119,12 +119,6 @@ def _check_dcp(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
         out.append(_v("DCP_MISMATCH", f"an MLA+SSM pair needs equal DCP sizes, got {lc} (local) and {rd} (remote)",
                       local_dcp_size=lc, remote_dcp_size=rd))
     return out
-
-
-def _memory_order(layout: EngineLayout) -> KvMemoryLayout:
-    """The order a block's bytes really have: a block of one token is the same under NHD and
-    HND (heads contiguous), so it splits by heads as HND does (SGLang's pages of one token)."""
-    return KvMemoryLayout.HND if layout.block_size == 1 else layout.kv_memory_layout
 
 
 def _has_family(layout: EngineLayout, fam: SpecFamily) -> bool:

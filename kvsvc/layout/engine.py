@@ -86,6 +86,12 @@ class EngineLayout:
     dcp_size: int = 1
 
     @property
+    def memory_order(self) -> KvMemoryLayout:
+        """The order a block's bytes really have: a block of one token (SGLang's default page)
+        is the same bytes under NHD and HND, heads contiguous, so it splits by heads as HND does."""
+        return KvMemoryLayout.HND if self.block_size == 1 else self.kv_memory_layout
+
+    @property
     def group_spec_types(self) -> tuple[type[KVCacheSpec], ...]:
         """Representative spec type per group, in group order (compute_tp_mapping input)."""
         return tuple(g.spec_type for g in self.groups)

@@ -69,9 +69,7 @@ def build_pool_layout(layout: EngineLayout) -> PoolLayout:
     regions: list[Region] = []
     cursor = 0
     nb = layout.num_blocks
-    # A block of one token (SGLang's default page) is the same bytes in either order: heads
-    # are contiguous, so a TP pair may split them as under HND.
-    hnd = layout.kv_memory_layout is KvMemoryLayout.HND or layout.block_size == 1
+    hnd = layout.memory_order is KvMemoryLayout.HND
 
     def add(kind: RegionKind, gi: int, name: str, off: int, length: int, stride: int, **geo: int | bool) -> None:
         regions.append(Region(len(regions), kind, gi, name, off, length, stride, nb, **geo))  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.procs import stop
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -51,10 +53,5 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
