@@ -428,6 +428,12 @@ class LeaseTable:
         """The live lease of request_id, if any."""
         return self._live.get(request_id)
 
+    def final_state(self, request_id: str) -> LeaseState | None:
+        """How request_id's lease ended, while its tombstone is kept; None while it is live
+        or when nothing is known of it (never leased, or forgotten long ago)."""
+        dead = self._dead.get(request_id)
+        return dead.state if dead is not None and request_id not in self._live else None
+
 
     @property
     def live_count(self) -> int:

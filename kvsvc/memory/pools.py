@@ -8,6 +8,7 @@ import mmap
 import os
 import re
 import time
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -172,8 +173,26 @@ class ExternalPool(Pool):
         self._buffer = None
 
 
+@dataclass(frozen=True, slots=True)
+class AddressRange:
+    """Engine memory handed over as addresses, not objects: rows of row_bytes from address on.
+
+    How SGLang describes its KV pools to a transfer backend (KVArgs: a base pointer, a byte
+    length and an item length per buffer). device None: host memory; else the CUDA device.
+    The engine keeps the memory alive for as long as the server runs.
+    """
+
+    address: int
+    rows: int
+    row_bytes: int
+    device: int | None = None
+
+
 def _buffer_facts(buffer: Any) -> tuple[int, int, int, int, bool, int]:
     """(address, dim-0 length, dim-0 stride bytes, bytes of one dim-0 item, is CUDA, device) of a tensor or array."""
+    if isinstance(buffer, AddressRange):
+        cuda = buffer.device is not None
+        return buffer.address, buffer.rows, buffer.row_bytes, buffer.row_bytes, cuda, buffer.device or 0
     if hasattr(buffer, "data_ptr"):  # torch tensor
         e = buffer.element_size()
         rows = int(buffer.shape[0]) if buffer.dim() else 1
@@ -191,7 +210,7 @@ def _buffer_facts(buffer: Any) -> tuple[int, int, int, int, bool, int]:
 
 
 class RegionBuffersPool(Pool):
-    """An engine's own memory given region by region: one tensor or array per region, indexed by block.
+    """An engine's own memory given region by region: one tensor, array or AddressRange per region, indexed by block.
 
     How engines such as vLLM hold KV: a tensor per layer, blocks on dimension 0 (a view
     per region where a layer has several, e.g. K and V). Each buffer must hold the
@@ -262,4 +281,4 @@ def attach_shm(name: str, size_bytes: int) -> np.ndarray:
                                  {"shm_name": name}) from e
 
 
-__all__ = ["CudaPool", "ExternalPool", "Pool", "RegionBuffersPool", "ShmPool", "attach_shm", "shm_name_for"]
+__all__ = ["AddressRange", "CudaPool", "ExternalPool", "Pool", "RegionBuffersPool", "ShmPool", "attach_shm", "shm_name_for"]

@@ -9,6 +9,7 @@ loopback address advertised. None of it is needed, or set, on a GPU.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,10 @@ def sglang_server(name: str, model: Path, logs: Path, *, mode: str | None = None
         argv += ["--disaggregation-bootstrap-port", str(bootstrap)]
     if mode == "decode":
         argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-    return Served(name, argv, logs, port, CPU_ENV), bootstrap
+    env = dict(CPU_ENV)
+    if tp > 1:  # on CPU each rank is bound to cores of its own: one core each here
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+    return Served(name, argv, logs, port, env), bootstrap
 
 
 def sglang_router(logs: Path, prefill: Served, bootstrap: int, decode: Served) -> Served:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvsvc.client import AsyncClient
 from kvsvc.client.client import ReleaseStream
-from kvsvc.integrations.vllm.loop import LoopThread
+from kvsvc.integrations.loop import LoopThread
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 

@@ -26,9 +26,9 @@ from kvsvc.client.client import ReleaseStream
 from kvsvc.client.leases import LEASE_NOT_YET_MADE, abort_published, heartbeat_published, servers_of
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
+from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
-from kvsvc.integrations.vllm.loop import LoopThread
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
 from kvsvc.leases.table import NotifyKind
@@ -80,7 +80,7 @@ class KvsvcWorker:
         self._listen_port = listen_port
         self._overrides = dict(server_overrides or {})
         self._options = client_options
-        self._loop = LoopThread(f"kvsvc-worker-{tp_rank}")
+        self._loop = LoopThread(f"kvsvc-worker-{tp_rank}", log)
         self._server: RunningServer | None = None
         self._client: AsyncClient | None = None
         # D: transfers go to this rank's server as calls on the loop both run on (made on the

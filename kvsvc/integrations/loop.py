@@ -1,8 +1,8 @@
 """An event loop on its own thread: where an engine process runs kvsvc's asyncio code.
 
-vLLM's scheduler and workers are synchronous; the embedded server, its NIXL data plane
-and the gRPC clients live on this loop and share nothing with the model's thread but
-the KV tensors.
+vLLM's and SGLang's schedulers and workers are synchronous; the embedded server, its NIXL
+data plane and the gRPC clients live on this loop and share nothing with the model's
+thread but the KV memory.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-log = logging.getLogger("vllm.kvsvc")
 STALL_WARN_S = 1.0
 
 
@@ -36,7 +35,9 @@ def _unpin_this_thread() -> None:
 
 
 class LoopThread:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, log: logging.Logger | None = None) -> None:
+        """log: where stalls are reported (the engine's logger, so its handlers apply)."""
+        self._log = log or logging.getLogger("kvsvc.engine")
         self.loop: asyncio.AbstractEventLoop
         try:
             import uvloop
@@ -67,7 +68,7 @@ class LoopThread:
             await asyncio.sleep(tick_s)
             late = time.monotonic() - before - tick_s
             if late > STALL_WARN_S:
-                log.warning("kvsvc: event loop %s stalled %.1f s", self._thread.name, late)
+                self._log.warning("kvsvc: event loop %s stalled %.1f s", self._thread.name, late)
 
     def stop(self) -> None:
         if self.loop.is_closed():

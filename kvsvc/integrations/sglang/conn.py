@@ -1,0 +1,517 @@
+"""SGLang's disaggregation transfer backend "kvsvc": the manager, sender, receiver and
+bootstrap server SGLang asks get_kv_class for.
+
+What stays SGLang's (inherited from its Common* classes): the bootstrap server and rank
+discovery, the ZMQ channels, D's heartbeats to P, abort notifications, timeouts, KVPoll.
+What kvsvc does: the KV pages move through a kvsvc server embedded in each TP worker,
+over SGLang's pools registered in place.
+
+Pull, not push. SGLang's own backends push (P writes into D's pages); here D reads:
+  1. D allocates its pages and sends METADATA to the P ranks it reads (SGLang's mapping,
+     which matches kvsvc's handshake targets for every TP pair).
+  2. P prefills; on the request's last chunk each of those P ranks leases all its pages on
+     its kvsvc server (one token for the request across the engine's ranks) and answers
+     READY with the lease's params and the request's aux row.
+  3. D joins the pieces into one TransferParams and runs a kvsvc Transfer in process: the
+     planner picks what each D rank reads from which P rank (heterogeneous TP, MLA), the
+     claim makes D the lease's one owner, READs move the bytes, CONSUMED releases the lease.
+  4. D writes the aux row and reports Success once the transfer settled; P reports Success
+     when its lease is released CONSUMED (Failed with kvsvc's reason on EXPIRED/ABORTED),
+     and only then does SGLang free P's pages.
+Why pull: kvsvc's promises are built on it. P frees pages only once they were consumed,
+expired or aborted; D never frees or reuses pages a transfer may still write (an abort, a
+dead P or a timeout on D waits until the transfer settled); every failure is typed. A push
+mode would need the mirror image of all of it on P. The cost is one message more (READY)
+before the bytes move, against SGLang's push of finished chunks while later ones compute.
+
+Not covered (refused at start with a clear error): hybrid state (Mamba, SWA, DSA), draft
+KV (speculative decoding), pipeline, context and decode-context parallelism, KV sharding,
+staging buffers, host destinations, and GPU-resident aux buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.network import NetworkAddress
+
+from kvsvc.config import Role
+from kvsvc.errors import KvsvcError
+from kvsvc.integrations.sglang import wire
+from kvsvc.integrations.sglang.embedded import EmbeddedServer
+from kvsvc.integrations.sglang.layout import SGLangPools, describe
+from kvsvc.leases.table import LeaseState
+
+log = logging.getLogger("sglang.kvsvc")
+
+# A D transfer that has not settled by then is given up (SGLang's own wait for a transfer,
+# SGLANG_DISAGGREGATION_WAITING_TIMEOUT, is longer by default).
+TRANSFER_TIMEOUT_S = float(os.environ.get("KVSVC_SGLANG_TRANSFER_TIMEOUT_S", "120"))
+# How long P's lease waits for D's claim (0: the kvsvc server's lease_ttl_s).
+LEASE_TTL_MS = int(os.environ.get("KVSVC_SGLANG_LEASE_TTL_MS", "0"))
+# A kvsvc TOML file ([server] keys: TLS, trust, metrics, limits) for the embedded servers.
+CONFIG_ENV = "KVSVC_SGLANG_CONFIG"
+
+RELEASE_REASONS = {
+    LeaseState.EXPIRED: "kvsvc: the decode side did not read the KV within the lease (EXPIRED)",
+    LeaseState.ABORTED: "kvsvc: the decode side gave the transfer up (ABORTED)",
+}
+
+
+def request_id(room: int) -> str:
+    return f"sglang-{room}"
+
+
+def room_of(rid: str) -> int | None:
+    prefix, _, room = rid.partition("-")
+    return int(room) if prefix == "sglang" and room.isdigit() else None
+
+
+def _unsupported(args: KVArgs, mode: DisaggregationMode) -> list[str]:
+    """What this backend does not move, from the engine's own description of its state."""
+    parallel = get_parallel()
+    why = []
+    if getattr(args, "state_types", None):
+        why.append(f"hybrid state ({', '.join(str(getattr(s, 'value', s)) for s in args.state_types)})")
+    if getattr(args, "num_draft_entries", 0):
+        why.append("draft-model KV (speculative decoding)")
+    for name, size in (("pipeline", parallel.pp_size), ("context", parallel.attn_cp_size),
+                       ("decode-context", parallel.attn_dcp_size)):
+        if size > 1:
+            why.append(f"{name} parallelism ({size})")
+    if getattr(parallel, "enable_kv_cache_sharding", False):
+        why.append("KV cache sharding")
+    if getattr(args, "host_kv_data_ptrs", None) and mode == DisaggregationMode.DECODE:
+        why.append("host KV destinations")
+    if get_disagg().disaggregation_decode_allocation_policy == "prefill_complete":
+        why.append("--disaggregation-decode-allocation-policy prefill_complete")
+    return why
+
+
+def _total_kv_heads(args: KVArgs, server_args: ServerArgs, is_mla: bool) -> int:
+    if is_mla:
+        return 1
+    total = getattr(args, "total_kv_head_num", 0)
+    if total:
+        return int(total)
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+
+
+def _engine_secret(tp_size: int) -> bytes:
+    """A secret every attention-TP rank of this engine holds (lease tokens derive from it, so
+    the ranks' leases of one request share a token without a word between them per request)."""
+    secret = secrets.token_bytes(32)
+    if tp_size > 1:
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        secret = get_attn_tp_group().broadcast_object(secret, src=0)
+    return secret
+
+
+@dataclasses.dataclass
+class _PRoom:
+    """P: one request on this rank, from D's METADATA to the lease's release."""
+
+    infos: dict[tuple[str, int], wire.Metadata] = dataclasses.field(default_factory=dict)
+    pages: list[np.ndarray] = dataclasses.field(default_factory=list)
+    leased: bool = False
+    aborted: bool = False
+
+
+@dataclasses.dataclass
+class _DRoom:
+    """D: one request on this rank, from METADATA to the end of its transfer."""
+
+    pages: np.ndarray
+    aux_index: int
+    expected: int  # READY messages to wait for: one per P rank D sent METADATA to
+    pieces: dict[int, wire.Ready] = dataclasses.field(default_factory=dict)
+    running: Any = None  # the transfer's concurrent future
+    fail_after_settle: bool = False  # SGLang failed the room while the transfer ran
+
+
+class KvsvcKVManager(CommonKVManager):
+    kv_status_msg_tag = wire.STATUS
+    kv_status_msg_carries_reason = True
+    reports_transfer_latency = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
+                 is_mla_backend: bool | None = False) -> None:
+        refused = _unsupported(args, disaggregation_mode)
+        if refused:
+            raise ValueError("--disaggregation-transfer-backend kvsvc does not move " + "; ".join(refused)
+                             + " (use SGLang's nixl or mooncake backend for this model or set-up)")
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.enable_staging = False
+        self._lock = threading.Lock()
+        serving = get_serving()
+        name = getattr(serving, "served_model_name", None) or server_args.model_path
+        pools = SGLangPools(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, args.page_size,
+                            bool(is_mla_backend), _total_kv_heads(args, server_args, bool(is_mla_backend)),
+                            self.attn_tp_size, f"{name}|kv={args.kv_cache_dtype_str}",
+                            args.gpu_id if str(server_args.device).startswith("cuda") else None)
+        prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        role = Role.PREFILL if prefill else Role.DECODE
+        where = self.dist_init_addr or self.local_ip
+        self.kvsvc = EmbeddedServer(
+            engine_id=f"sglang-{role.value}-{where}:{serving.port}", role=role, tp_rank=self.attn_tp_rank,
+            tp_size=self.attn_tp_size, description=describe(pools), host=self.local_ip,
+            config_path=os.environ.get(CONFIG_ENV) or None, on_release=self._released if prefill else None)
+        self.kvsvc.start()
+        if prefill:
+            self._secret = _engine_secret(self.attn_tp_size)
+            self._p_rooms: dict[int, _PRoom] = {}
+            self._send_queue: queue.SimpleQueue[tuple[int, list[bytes]]] = queue.SimpleQueue()
+            threading.Thread(target=self._lease_worker, name="kvsvc-sglang-lease", daemon=True).start()
+            self._start_listener(self._on_p_message)
+        else:
+            self._d_rooms: dict[int, _DRoom] = {}
+            self._start_listener(self._on_d_message)
+            self._start_heartbeat_checker_thread()
+
+    # ---- both --------------------------------------------------------------------
+
+    def _start_listener(self, handle: Any) -> None:
+        def listen() -> None:
+            while True:
+                msg = self.server_socket.recv_multipart()
+                try:
+                    handle(msg)
+                except wire.Malformed as e:
+                    log.warning("kvsvc: dropped a malformed message (%s)", e)
+                except Exception:
+                    log.exception("kvsvc: handling a %r message failed", msg[0][:24] if msg else b"")
+
+        threading.Thread(target=listen, name="kvsvc-sglang-listen", daemon=True).start()
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        return wire.register(self.local_ip, self.rank_port, self.kv_args.engine_rank)
+
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
+                                        kv_indices: Any, aux_index: int | None, state_indices: Any,
+                                        decode_prefix_len: int | None, is_dummy: bool,
+                                        device_kv_indices: Any = None) -> list[bytes]:
+        return wire.Metadata(bootstrap_room, self.local_ip, self.rank_port, self.kv_args.engine_rank,
+                             np.asarray(kv_indices, dtype=np.int32), -1 if aux_index is None else int(aux_index),
+                             required_dst_info_num, int(decode_prefix_len or 0), bool(is_dummy)).frames()
+
+    def check_status(self, bootstrap_room: int) -> KVPoll:
+        return self.request_status.get(bootstrap_room, KVPoll.WaitingForInput)
+
+    def _aux_rows(self, index: int) -> list[bytes]:
+        a = self.kv_args
+        return [ctypes.string_at(ptr + index * item, item)
+                for ptr, item in zip(a.aux_data_ptrs, a.aux_item_lens, strict=True)]
+
+    def _write_aux(self, index: int, rows: list[bytes]) -> None:
+        a = self.kv_args
+        if len(rows) != len(a.aux_data_ptrs):
+            raise ValueError(f"prefill sent {len(rows)} aux rows, decode has {len(a.aux_data_ptrs)} aux buffers "
+                             "(an optional metadata buffer is enabled on one engine only)")
+        for ptr, item, length, row in zip(a.aux_data_ptrs, a.aux_item_lens, a.aux_data_lens, rows, strict=True):
+            if len(row) != item or not 0 <= index < length // item:
+                raise ValueError(f"aux row of {len(row)} bytes at index {index} does not fit a {item}-byte row "
+                                 f"of a {length}-byte buffer")
+            ctypes.memmove(ptr + index * item, row, item)
+
+    # ---- P -------------------------------------------------------------------------
+
+    def _on_p_message(self, msg: list[bytes]) -> None:
+        if not msg:
+            return
+        if self._handle_bootstrap_message(msg):
+            return
+        if msg[0] == ABORT_TAG:
+            notice = AbortNotification.from_zmq(msg)
+            if notice is not None:
+                self.abort_room(notice.room, "Aborted by decode-side abort notification.")
+            return
+        if msg[0] == wire.REGISTER:
+            return  # D reads; P keeps nothing of D but the endpoints in each METADATA
+        meta = wire.Metadata.parse(msg)
+        with self._lock:
+            room = self._p_rooms.setdefault(meta.room, _PRoom())
+            room.infos[(meta.ip, meta.port)] = meta
+            complete = len(room.infos) >= meta.d_ranks_expected
+        self.transfer_infos.setdefault(meta.room, {})[(meta.ip, meta.port)] = meta
+        if complete:
+            self.req_to_decode_prefix_len[meta.room] = meta.decode_prefix_len
+            self.update_status(meta.room, KVPoll.WaitingForInput)
+
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
+                             aux_index: int | None = None, state_indices: Any = None,
+                             num_kv_tokens: int | None = None, **_: Any) -> None:
+        """P's scheduler thread, for each chunk: keep the pages; on the last one hand the lease
+        to the lease worker (the scheduler never waits on kvsvc)."""
+        with self._lock:
+            room = self._p_rooms.get(bootstrap_room)
+            if room is None:
+                return
+            room.pages.append(np.asarray(kv_indices, dtype=np.int64))
+        if is_last_chunk:
+            assert aux_index is not None, "SGLang passes the aux row with the last chunk"
+            # The aux row is read now: the scheduler filled it before this call and may
+            # reuse the slot once the request ends.
+            self._send_queue.put((bootstrap_room, self._aux_rows(int(aux_index))))
+
+    def token(self, room: int) -> str:
+        return hmac.new(self._secret, str(room).encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _lease_worker(self) -> None:
+        while True:
+            room_id, aux = self._send_queue.get()
+            try:
+                self._lease_and_tell(room_id, aux)
+            except Exception as e:
+                log.exception("kvsvc: leasing request %s failed", room_id)
+                self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: leasing failed: {e}")
+
+    def _lease_and_tell(self, room_id: int, aux: list[bytes]) -> None:
+        with self._lock:
+            room = self._p_rooms.get(room_id)
+            if room is None or room.aborted:
+                return  # cleared or aborted before its last chunk: nothing was leased
+            pages = np.concatenate(room.pages) if room.pages else np.zeros(0, np.int64)
+            room.leased = True
+            infos = list(room.infos.values())
+        try:
+            params = self.kvsvc.lease(request_id(room_id), [int(p) for p in pages], self.token(room_id), LEASE_TTL_MS)
+        except KvsvcError as e:
+            with self._lock:
+                room.leased = False
+            self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: {e.reason}: {e.message}")
+            return
+        with self._lock:
+            aborted = room.aborted
+        if aborted:  # aborted while the lease was being made: take it back, as abort_room would
+            self._withdraw(room_id)
+            return
+        self.update_status(room_id, KVPoll.Transferring)
+        ready = wire.Ready(room_id, self.attn_tp_rank, params, aux).frames()
+        for info in infos:
+            na = NetworkAddress(info.ip, info.port)
+            try:
+                self._send_multipart_locked(na.to_tcp(), ready, is_ipv6=na.is_ipv6)
+            except zmq.ZMQError as e:
+                log.warning("kvsvc: could not tell %s that request %s is ready: %s", na.to_host_port_str(), room_id, e)
+
+    def abort_room(self, room_id: int, reason: str) -> None:
+        """P: the request is aborted (by P's scheduler or D's notice). Its pages go back to
+        SGLang once nobody can read them: at once unless D already claimed the lease."""
+        with self._lock:
+            room = self._p_rooms.get(room_id)
+            if room is None or room.aborted:
+                return
+            room.aborted = True
+            leased = room.leased
+        if self.request_status.get(room_id) == KVPoll.Success:
+            return
+        self.record_failure(room_id, reason)
+        if not leased:
+            self.update_status(room_id, KVPoll.Failed)
+        else:
+            self._withdraw(room_id)
+
+    def _withdraw(self, room_id: int) -> None:
+        try:
+            gone = self.kvsvc.withdraw(request_id(room_id), self.token(room_id))
+        except Exception as e:  # the server is stopping: it reads nothing any more
+            log.warning("kvsvc: could not take back the lease of %s: %s", room_id, e)
+            gone = True
+        if gone:
+            self.update_status(room_id, KVPoll.Failed)
+        # else: D holds a claim; its release (consumed or aborted) ends the room
+
+    def _released(self, rid: str, how: LeaseState) -> None:
+        """On the server's loop: a lease of this rank ended."""
+        room_id = room_of(rid)
+        if room_id is None or room_id not in self.request_status:
+            return
+        with self._lock:
+            room = self._p_rooms.get(room_id)
+            aborted = room is not None and room.aborted
+        if how is LeaseState.CONSUMED and not aborted:
+            self.update_status(room_id, KVPoll.Success)
+            return
+        if not aborted:
+            self.record_failure(room_id, RELEASE_REASONS.get(how, f"kvsvc: lease {how.value}"))
+        self.update_status(room_id, KVPoll.Failed)
+
+    def forget_p_room(self, room_id: int) -> None:
+        with self._lock:
+            room = self._p_rooms.pop(room_id, None)
+        if room is not None and room.leased and not room.aborted \
+                and self.request_status.get(room_id) not in (KVPoll.Success, KVPoll.Failed):
+            self._withdraw(room_id)  # cleared while leased (never seen in SGLang's flow): free nothing readable
+
+    # ---- D -------------------------------------------------------------------------
+
+    def expect(self, room_id: int, pages: Any, aux_index: int | None, p_ranks: int) -> None:
+        with self._lock:
+            self._d_rooms[room_id] = _DRoom(np.asarray(pages, dtype=np.int64),
+                                            -1 if aux_index is None else int(aux_index), p_ranks)
+
+    def _on_d_message(self, msg: list[bytes]) -> None:
+        if not msg:
+            return
+        if self.handle_abort_ack_message(msg):
+            return
+        parsed = self.parse_kv_status_message(msg)
+        if parsed is not None:
+            room_id, status, prefill_rank, reason = parsed
+            self.apply_prefill_status(bootstrap_room=room_id, status=status, prefill_rank=prefill_rank,
+                                      failure_reason=reason)
+            return
+        ready = wire.Ready.parse(msg)
+        with self._lock:
+            room = self._d_rooms.get(ready.room)
+            if room is None or room.running is not None:
+                return  # cleared, or a duplicate
+            room.pieces[ready.p_rank] = ready
+            if len(room.pieces) < room.expected:
+                return
+            pieces = list(room.pieces.values())
+        self._start_transfer(ready.room, room, pieces)
+
+    def _start_transfer(self, room_id: int, room: _DRoom, pieces: list[wire.Ready]) -> None:
+        try:
+            params = wire.join_params(pieces)
+        except wire.Malformed as e:
+            self.record_failure(room_id, f"kvsvc: {e}")
+            self.update_status(room_id, KVPoll.Failed)
+            return
+        if self.request_status.get(room_id) == KVPoll.Failed:
+            return
+        aux = min(pieces, key=lambda p: p.p_rank).aux
+        started = time.perf_counter()
+        fut = self.kvsvc.transfer(request_id(room_id), params, [int(p) for p in room.pages], TRANSFER_TIMEOUT_S)
+        with self._lock:
+            room.running = fut
+        super().update_status(room_id, KVPoll.Transferring)
+        fut.add_done_callback(lambda f: self._transfer_ended(room_id, room, aux, f, started))
+
+    def _transfer_ended(self, room_id: int, room: _DRoom, aux: list[bytes], fut: Any, started: float) -> None:
+        """On the server's loop, once the transfer settled: nothing of it writes any more."""
+        with self._lock:
+            deferred = room.fail_after_settle
+            room.running = None
+            if self._d_rooms.get(room_id) is room:
+                del self._d_rooms[room_id]
+        if fut.cancelled() or deferred:
+            super().update_status(room_id, KVPoll.Failed)
+            return
+        error = fut.exception()
+        if error is None:
+            try:
+                self._write_aux(room.aux_index, aux)
+            except ValueError as e:
+                error = e
+        if error is not None:
+            reason = f"kvsvc: {error.reason}: {error.message}" if isinstance(error, KvsvcError) else f"kvsvc: {error}"
+            log.warning("kvsvc: loading request %s failed: %s", room_id, reason)
+            self.record_failure(room_id, reason)
+            super().update_status(room_id, KVPoll.Failed)
+            return
+        resp = fut.result()
+        log.debug("kvsvc: request %s loaded, %d bytes in %.2f ms", room_id, resp.total_bytes,
+                  (time.perf_counter() - started) * 1e3)
+        super().update_status(room_id, KVPoll.Success)
+
+    def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
+        """D: a room SGLang fails (abort, dead P, timeout) while its transfer may still write
+        into its pages stays as it is until the transfer settled, then fails."""
+        if status == KVPoll.Failed and self.disaggregation_mode == DisaggregationMode.DECODE:
+            with self._lock:
+                room = self._d_rooms.get(bootstrap_room)
+                running = room is not None and room.running is not None and not room.running.done()
+                if room is not None and running:
+                    room.fail_after_settle = True
+            if running:
+                self.kvsvc.cancel(request_id(bootstrap_room))
+                return
+        super().update_status(bootstrap_room, status)
+
+    def transfer_running(self, room_id: int) -> bool:
+        with self._lock:
+            room = self._d_rooms.get(room_id)
+            return room is not None and room.running is not None and not room.running.done()
+
+    def forget_d_room(self, room_id: int) -> None:
+        with self._lock:
+            room = self._d_rooms.get(room_id)
+            if room is not None and room.running is None:
+                del self._d_rooms[room_id]
+
+
+class KvsvcKVSender(CommonKVSender):
+    kv_mgr: KvsvcKVManager
+
+    def abort(self) -> None:
+        """Failed once nobody can read the pages (SGLang frees them on Failed)."""
+        self.kv_mgr.abort_room(self.bootstrap_room, "Aborted by AbortReq.")
+        self.trace_ctx.abort(abort_info={"reason": "Aborted"})
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget_p_room(self.bootstrap_room)
+
+
+class KvsvcKVReceiver(CommonKVReceiver):
+    kv_mgr: KvsvcKVManager
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
+                      decode_prefix_len: int | None = None, *args: Any, **kwargs: Any) -> None:
+        if self.bootstrap_infos:
+            self.kv_mgr.expect(self.bootstrap_room, kv_indices, aux_index, len(self.bootstrap_infos))
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
+
+    def poll(self) -> KVPoll:
+        # A running transfer is never timed out from here: its own timeout ends it, and SGLang
+        # must not free pages it may still write.
+        if self.conclude_state is None and self.kv_mgr.transfer_running(self.bootstrap_room):
+            return KVPoll.Transferring
+        return super().poll()
+
+    def abort(self) -> None:
+        if self.kv_mgr.transfer_running(self.bootstrap_room):
+            # Failed once the transfer settled (the manager's update_status); P hears of it
+            # from the cancelled transfer's own abort of the lease, and from the notice.
+            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.ensure_abort_notified()
+            return
+        super().abort()
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget_d_room(self.bootstrap_room)
+
+
+class KvsvcKVBootstrapServer(CommonKVBootstrapServer):
+    pass
