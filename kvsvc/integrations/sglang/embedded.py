@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,6 +64,9 @@ class EmbeddedServer:
         config = load_config(self._config_path, listen=host_port(self._host, 0), engine_id=self.engine_id,
                              role=self.role, tp_size=self.tp_size, ranks=[self.tp_rank],
                              layout_table=self._description.table)
+        host, _, port = config.metrics_listen.rpartition(":")
+        if port.isdigit() and int(port):  # one engine, several workers: a fixed port is the first rank's
+            config = dataclasses.replace(config, metrics_listen=f"{host}:{int(port) + self.tp_rank}")
 
         async def boot() -> None:
             server, port = await create_server(config, external_pools={self.tp_rank: self._description.buffers})
@@ -75,7 +79,9 @@ class EmbeddedServer:
 
         self._loop.run(boot(), START_TIMEOUT_S)
         self._loop.submit(self._loop.watch_stalls())
-        log.info("kvsvc: SGLang %s rank %d serves its KV at %s", self.role.value, self.tp_rank, self.address)
+        metrics = self.server.metrics_address
+        log.info("kvsvc: SGLang %s rank %d serves its KV at %s%s", self.role.value, self.tp_rank, self.address,
+                 f" (metrics at http://{metrics}/metrics)" if metrics else "")
 
     def stop(self) -> None:
         server, self._server = self._server, None

@@ -1,0 +1,225 @@
+"""SGLang with kvsvc as its transfer backend (--disaggregation-transfer-backend kvsvc), real
+servers, its own router.
+
+- P TP1 -> D TP1 through kvsvc equals SGLang's aggregated server: token ids of concurrent
+  requests, shared prefixes (radix hits on P), prompts over several prefill chunks; their
+  logprobs to within bfloat16 rounding (SGLang's decode numerics depend on how requests
+  happen to batch, in either server), and exactly when the requests go one at a time from
+  empty caches.
+  The KV went through kvsvc: D's kvsvc server counts a transfer per request and P's a
+  consumed lease per request, and no lease is left.
+- P TP2 -> D TP1 and P TP1 -> D TP2 through kvsvc equal SGLang's own NIXL backend on the
+  same pair. Requests go one at a time there: D's numerics depend on how requests batch,
+  and both backends must see the same batches to be compared exactly.
+- Failures leave nothing behind: a request aborted on P while D waits, aborted on D while it
+  decodes, and a P killed in the middle of a prefill. D ends every request, keeps serving,
+  holds no transfer and leaks no page (SGLang checks its pools when idle); P's leases are
+  all released.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.sglang.served import generate, greedy, kvsvc_servers, metric, sglang_router, sglang_server
+from tests.sglang.test_sglang_cpu import PROMPTS, answers, write_model
+from tests.vllm.served import Served
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.full]
+
+MORE = PROMPTS + ["Why does decode read what prefill wrote? " * 12, "Why does decode read what prefill wrote? " * 12
+                  + "Because it must.", "one two three four five six seven eight nine ten " * 9, "x"]
+CHUNKED = ("--chunked-prefill-size", "64")  # long prompts prefill in several chunks: leased after the last
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sglang-kvsvc") / "tiny-llama"
+    write_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def kvsvc_env(tmp_path_factory) -> dict[str, str]:
+    """The embedded kvsvc servers serve their metrics (KVSVC_SGLANG_CONFIG: a kvsvc TOML)."""
+    config = tmp_path_factory.mktemp("kvsvc-config") / "kvsvc.toml"
+    config.write_text('[server]\nmetrics_listen = "127.0.0.1:0"\n')
+    return {"KVSVC_SGLANG_CONFIG": str(config)}
+
+
+class PD:
+    """A prefill server, a decode server and SGLang's router in front of them."""
+
+    def __init__(self, model: Path, logs: Path, backend: str, tp_p: int = 1, tp_d: int = 1,
+                 env: dict[str, str] | None = None) -> None:
+        (self.p, self.bootstrap), (self.d, _) = (
+            sglang_server("sglang-p", model, logs, mode="prefill", backend=backend, tp=tp_p, extra_args=CHUNKED,
+                          env=env),
+            sglang_server("sglang-d", model, logs, mode="decode", backend=backend, tp=tp_d, env=env))
+        self.procs: list[Served] = [self.p, self.d]
+        self.logs = logs
+        try:
+            self.p.wait_ready(300)
+            self.d.wait_ready(300)
+            self.router = sglang_router(logs, self.p, self.bootstrap, self.d)
+            self.procs.append(self.router)
+            self.router.wait_ready(60)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for s in self.procs:
+            s.stop()
+
+    def __enter__(self) -> PD:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def one_by_one(server: Served, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    out = [generate(server, greedy(p, 8)) for p in prompts]
+    return [(o["output_ids"], [round(lp[0], 4) for lp in o["meta_info"]["output_token_logprobs"]]) for o in out]
+
+
+def flush(*servers: Served) -> None:
+    """Empty the radix caches: what was cached changes how a prompt prefills (and its rounding)."""
+    for s in servers:
+        r = requests.post(s.url + "/flush_cache", timeout=60)
+        assert r.status_code == 200, (s.name, r.text)
+
+
+def leases_left(pd: PD) -> float:
+    return sum(metric(url, "kvsvc_live_leases") for _, url in kvsvc_servers(pd.p).values())
+
+
+def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
+    agg, _ = sglang_server("sglang-agg", model, tmp_path, extra_args=CHUNKED)
+    try:
+        agg.wait_ready(300)
+        reference = answers(agg, MORE)
+        flush(agg)
+        reference_alone = one_by_one(agg, PROMPTS)
+    finally:
+        agg.stop()
+    with PD(model, tmp_path, "kvsvc", env=kvsvc_env) as pd:
+        got = answers(pd.router, MORE)
+        flush(pd.p, pd.d)
+        alone = one_by_one(pd.router, PROMPTS)
+        assert [ids for ids, _ in got] == [ids for ids, _ in reference]
+        for (_, lps), (_, ref) in zip(got, reference, strict=True):
+            assert lps == pytest.approx(ref, abs=0.02)
+        assert alone == reference_alone
+        (_, d_metrics), = kvsvc_servers(pd.d).values()
+        (_, p_metrics), = kvsvc_servers(pd.p).values()
+        assert metric(d_metrics, "kvsvc_transfers_total", outcome="ok") == len(MORE) + len(PROMPTS)
+        assert metric(d_metrics, "kvsvc_transfers_total", outcome="failed") == 0
+        assert metric(p_metrics, "kvsvc_lease_releases_total", reason="consumed") == len(MORE) + len(PROMPTS)
+        assert leases_left(pd) == 0
+        assert "Prefill batch" not in pd.d.log.read_text(errors="replace")  # D decoded from P's KV
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)], ids=["p2-d1", "p1-d2"])
+def test_kvsvc_backend_equals_sglangs_nixl_backend_across_tp_sizes(model, kvsvc_env, tmp_path, tp_p, tp_d):
+    results = {}
+    for backend in ("nixl", "kvsvc"):
+        logs = tmp_path / backend
+        logs.mkdir()
+        with PD(model, logs, backend, tp_p, tp_d, env=kvsvc_env) as pd:
+            results[backend] = one_by_one(pd.router, PROMPTS)
+            if backend == "kvsvc":
+                d_servers, p_servers = kvsvc_servers(pd.d), kvsvc_servers(pd.p)
+                assert sorted(d_servers) == list(range(tp_d)) and sorted(p_servers) == list(range(tp_p))
+                for _, url in d_servers.values():  # every D rank read its heads of every request
+                    assert metric(url, "kvsvc_transfers_total", outcome="ok") == len(PROMPTS)
+                for _, url in p_servers.values():  # every P rank's lease was consumed
+                    assert metric(url, "kvsvc_lease_releases_total", reason="consumed") == len(PROMPTS)
+                assert leases_left(pd) == 0
+    assert results["kvsvc"] == results["nixl"]
+
+
+def _generate_in_background(server: Served, body: dict) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            r = requests.post(server.url + "/generate", json=body, timeout=300)
+            out.append((r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json")
+                        else r.text))
+        except Exception as e:  # a killed server ends the connection
+            out.append(("error", str(e)))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _settled(server: Served, what: str, check, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{server.name}: {what}"
+        time.sleep(0.5)
+
+
+def _d_is_clean(pd: PD) -> None:
+    """D runs no transfer, its log shows no leak, and it still answers like the aggregated server."""
+    for _, url in kvsvc_servers(pd.d).values():
+        _settled(pd.d, "a transfer still runs", lambda u=url: metric(u, "kvsvc_running_transfers") == 0)
+    text = pd.d.log.read_text(errors="replace").lower()
+    assert "leak" not in text and "traceback" not in text
+
+
+LONG = "A prompt long enough that prefill takes a while on this machine. " * 120
+
+
+def test_aborts_on_either_side_leave_no_lease_page_or_transfer(model, kvsvc_env, tmp_path):
+    with PD(model, tmp_path, "kvsvc", env=kvsvc_env) as pd:
+        before = generate(pd.router, greedy(PROMPTS[0], 8))
+        # Aborted on P while D waits for it: P's scheduler aborts it (AbortReq) mid-prefill.
+        t, out = _generate_in_background(pd.router, {**greedy(LONG, 8), "rid": "abort-on-p"})
+        time.sleep(1.0)  # P is prefilling it (about 8,000 tokens in chunks of 64)
+        pd.p.post("/abort_request", {"rid": "abort-on-p"})
+        t.join(120)
+        assert out, "the request aborted on P never ended"
+        # Aborted on D while it decodes a long answer.
+        t, out = _generate_in_background(pd.router, {**greedy(PROMPTS[1], 2000), "rid": "abort-on-d"})
+        _settled(pd.d, "decode never started", lambda: metric(kvsvc_servers(pd.d)[0][1], "kvsvc_transfers_total",
+                                                              outcome="ok") >= 2)
+        pd.d.post("/abort_request", {"rid": "abort-on-d"})
+        t.join(120)
+        assert out, "the request aborted on D never ended"
+        _settled(pd.p, "P still holds leases", lambda: leases_left(pd) == 0)
+        _d_is_clean(pd)
+        assert generate(pd.router, greedy(PROMPTS[0], 8))["output_ids"] == before["output_ids"]
+
+
+def test_a_killed_prefill_leaves_decode_clean_and_serving(model, kvsvc_env, tmp_path):
+    with PD(model, tmp_path, "kvsvc", env={**kvsvc_env, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+                                           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"}) as pd:
+        before = generate(pd.router, greedy(PROMPTS[0], 8))
+        threads = [_generate_in_background(pd.router, greedy(LONG + str(i), 8)) for i in range(3)]
+        time.sleep(1.0)
+        os.killpg(pd.p.proc.pid, signal.SIGKILL)  # P and its scheduler processes, mid-prefill
+        for t, out in threads:
+            t.join(180)
+            assert out, "a request of the killed P never ended"
+        _d_is_clean(pd)
+        # A new P: D serves again, as before.
+        p2, bootstrap2 = sglang_server("sglang-p2", model, tmp_path, mode="prefill", backend="kvsvc",
+                                       extra_args=CHUNKED, env=kvsvc_env)
+        pd.procs.append(p2)
+        p2.wait_ready(300)
+        router2 = sglang_router(tmp_path, p2, bootstrap2, pd.d, name="sglang-router2")
+        pd.procs.append(router2)
+        router2.wait_ready(60)
+        assert generate(router2, greedy(PROMPTS[0], 8))["output_ids"] == before["output_ids"]
+        _d_is_clean(pd)
