@@ -52,12 +52,13 @@ def sglang_server(name: str, model: Path, logs: Path, *, mode: str | None = None
     return Served(name, argv, logs, port, env), bootstrap
 
 
-def sglang_router(logs: Path, prefill: Served, bootstrap: int, decode: Served, name: str = "sglang-router") -> Served:
+def sglang_router(logs: Path, prefill: Served, bootstrap: int, decode: Served, name: str = "sglang-router",
+                  extra_args: tuple[str, ...] = ()) -> Served:
     port = _free_port()
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
             str(bootstrap), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port),
             # Its metrics port is fixed (29000) unless given: one of its own, so routers never clash.
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()), *extra_args]
     return Served(name, argv, logs, port, CPU_ENV)
 
 

@@ -58,7 +58,7 @@ class PD:
     """A prefill server, a decode server and SGLang's router in front of them."""
 
     def __init__(self, model: Path, logs: Path, backend: str, tp_p: int = 1, tp_d: int = 1,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, router_args: tuple[str, ...] = ()) -> None:
         (self.p, self.bootstrap), (self.d, _) = (
             sglang_server("sglang-p", model, logs, mode="prefill", backend=backend, tp=tp_p, extra_args=CHUNKED,
                           env=env),
@@ -68,7 +68,7 @@ class PD:
         try:
             self.p.wait_ready(300)
             self.d.wait_ready(300)
-            self.router = sglang_router(logs, self.p, self.bootstrap, self.d)
+            self.router = sglang_router(logs, self.p, self.bootstrap, self.d, extra_args=router_args)
             self.procs.append(self.router)
             self.router.wait_ready(60)
         except BaseException:
@@ -153,8 +153,10 @@ def _generate_in_background(server: Served, body: dict) -> tuple[threading.Threa
     def run() -> None:
         try:
             r = requests.post(server.url + "/generate", json=body, timeout=300)
-            out.append((r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json")
-                        else r.text))
+            try:
+                out.append((r.status_code, r.json()))
+            except ValueError:
+                out.append((r.status_code, r.text))
         except Exception as e:  # a killed server ends the connection
             out.append(("error", str(e)))
 
@@ -170,6 +172,22 @@ def _settled(server: Served, what: str, check, timeout_s: float = 120) -> None:
         time.sleep(0.5)
 
 
+def _was_aborted(out: list) -> None:
+    """The request ended, not with a normal answer: an abort (SGLang's finish reason), a server
+    error, or a connection its server closed (not a refusal of the request itself)."""
+    assert out, "the request never ended"
+    status, body = out[0]
+    if status == 200:
+        assert body["meta_info"]["finish_reason"]["type"] == "abort", body["meta_info"]
+    else:
+        assert status == "error" or status >= 500, out
+
+
+def abort(server: Served, rid: str) -> None:
+    r = requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=30)
+    assert r.status_code == 200, (server.name, r.status_code, r.text)
+
+
 def _d_is_clean(pd: PD) -> None:
     """D runs no transfer, its log shows no leak, and it still answers like the aggregated server."""
     for _, url in kvsvc_servers(pd.d).values():
@@ -178,25 +196,36 @@ def _d_is_clean(pd: PD) -> None:
     assert "leak" not in text and "traceback" not in text
 
 
-LONG = "A prompt long enough that prefill takes a while on this machine. " * 120
+# About 1,800 tokens (the model's context is 2,048): 28 prefill chunks of 64 on P.
+LONG = "A prompt long enough that prefill takes a while on this machine. " * 50
+
+
+# The router retries a failed request on its own by default: here the failures must show.
+NO_RETRIES = ("--disable-retries",)
 
 
 def test_aborts_on_either_side_leave_no_lease_page_or_transfer(model, kvsvc_env, tmp_path):
-    with PD(model, tmp_path, "kvsvc", env=kvsvc_env) as pd:
+    with PD(model, tmp_path, "kvsvc", env=kvsvc_env, router_args=NO_RETRIES) as pd:
         before = generate(pd.router, greedy(PROMPTS[0], 8))
-        # Aborted on P while D waits for it: P's scheduler aborts it (AbortReq) mid-prefill.
+        # Aborted on P while D waits for it: three long prompts ahead of it keep P busy
+        # (about 0.3 s each here), so it is queued or prefilling on P, its pages held on D.
+        ahead = [_generate_in_background(pd.router, greedy(f"{i} {LONG}", 8)) for i in range(3)]
+        time.sleep(0.2)
         t, out = _generate_in_background(pd.router, {**greedy(LONG, 8), "rid": "abort-on-p"})
-        time.sleep(1.0)  # P is prefilling it (about 8,000 tokens in chunks of 64)
-        pd.p.post("/abort_request", {"rid": "abort-on-p"})
+        time.sleep(0.3)
+        abort(pd.p, "abort-on-p")
         t.join(120)
-        assert out, "the request aborted on P never ended"
+        _was_aborted(out)
+        for other, answer in ahead:  # the requests around it are untouched
+            other.join(120)
+            assert answer and answer[0][0] == 200 and answer[0][1]["meta_info"]["finish_reason"]["type"] != "abort"
         # Aborted on D while it decodes a long answer.
         t, out = _generate_in_background(pd.router, {**greedy(PROMPTS[1], 2000), "rid": "abort-on-d"})
-        _settled(pd.d, "decode never started", lambda: metric(kvsvc_servers(pd.d)[0][1], "kvsvc_transfers_total",
-                                                              outcome="ok") >= 2)
-        pd.d.post("/abort_request", {"rid": "abort-on-d"})
+        d_metrics = kvsvc_servers(pd.d)[0][1]
+        _settled(pd.d, "decode never started", lambda: metric(d_metrics, "kvsvc_transfers_total", outcome="ok") >= 5)
+        abort(pd.d, "abort-on-d")
         t.join(120)
-        assert out, "the request aborted on D never ended"
+        _was_aborted(out)
         _settled(pd.p, "P still holds leases", lambda: leases_left(pd) == 0)
         _d_is_clean(pd)
         assert generate(pd.router, greedy(PROMPTS[0], 8))["output_ids"] == before["output_ids"]
@@ -204,14 +233,20 @@ def test_aborts_on_either_side_leave_no_lease_page_or_transfer(model, kvsvc_env,
 
 def test_a_killed_prefill_leaves_decode_clean_and_serving(model, kvsvc_env, tmp_path):
     with PD(model, tmp_path, "kvsvc", env={**kvsvc_env, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
-                                           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"}) as pd:
+                                           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"},
+            router_args=NO_RETRIES) as pd:
         before = generate(pd.router, greedy(PROMPTS[0], 8))
-        threads = [_generate_in_background(pd.router, greedy(LONG + str(i), 8)) for i in range(3)]
-        time.sleep(1.0)
+        threads = [_generate_in_background(pd.router, greedy(f"{i} {LONG}", 8)) for i in range(4)]
+        time.sleep(0.5)
         os.killpg(pd.p.proc.pid, signal.SIGKILL)  # P and its scheduler processes, mid-prefill
+        ended = []
         for t, out in threads:
             t.join(180)
             assert out, "a request of the killed P never ended"
+            ended.append(out[0])
+        # Some were still with P when it died: they failed (D found P gone), not hung.
+        assert any(status != 200 or body["meta_info"]["finish_reason"]["type"] == "abort"
+                   for status, body in ended), ended
         _d_is_clean(pd)
         # A new P: D serves again, as before.
         p2, bootstrap2 = sglang_server("sglang-p2", model, tmp_path, mode="prefill", backend="kvsvc",

@@ -41,6 +41,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,10 @@ TRANSFER_TIMEOUT_S = float(os.environ.get("KVSVC_SGLANG_TRANSFER_TIMEOUT_S", "12
 LEASE_TTL_MS = int(os.environ.get("KVSVC_SGLANG_LEASE_TTL_MS", "0"))
 # A kvsvc TOML file ([server] keys: TLS, trust, metrics, limits) for the embedded servers.
 CONFIG_ENV = "KVSVC_SGLANG_CONFIG"
+
+# Requests a P rank keeps track of: a D that names rooms P never serves (or names them after
+# they ended) must not grow it without end; the oldest entries go first.
+MAX_P_ROOMS = 1 << 16
 
 RELEASE_REASONS = {
     LeaseState.EXPIRED: "kvsvc: the decode side did not read the KV within the lease (EXPIRED)",
@@ -187,6 +192,7 @@ class KvsvcKVManager(CommonKVManager):
         if prefill:
             self._secret = _engine_secret(self.attn_tp_size)
             self._p_rooms: dict[int, _PRoom] = {}
+            self._p_ended: OrderedDict[int, str] = OrderedDict()  # failed rooms already cleared
             self._send_queue: queue.SimpleQueue[tuple[int, list[bytes]]] = queue.SimpleQueue()
             threading.Thread(target=self._lease_worker, name="kvsvc-sglang-lease", daemon=True).start()
             self._start_listener(self._on_p_message)
@@ -242,6 +248,15 @@ class KvsvcKVManager(CommonKVManager):
 
     # ---- P -------------------------------------------------------------------------
 
+    def _p_room(self, room_id: int) -> _PRoom:
+        """The room's entry, made if new (call under self._lock)."""
+        room = self._p_rooms.get(room_id)
+        if room is None:
+            while len(self._p_rooms) >= MAX_P_ROOMS:
+                self._p_rooms.pop(next(iter(self._p_rooms)))
+            room = self._p_rooms[room_id] = _PRoom()
+        return room
+
     def _on_p_message(self, msg: list[bytes]) -> None:
         if not msg:
             return
@@ -256,10 +271,23 @@ class KvsvcKVManager(CommonKVManager):
             return  # D reads; P keeps nothing of D but the endpoints in each METADATA
         meta = wire.Metadata.parse(msg)
         with self._lock:
-            room = self._p_rooms.setdefault(meta.room, _PRoom())
+            ended = self._p_ended.get(meta.room)
+        if ended is not None:  # D asks after P ended the request (aborted while bootstrapping)
+            self.send_kv_status_message(targets=[(meta.ip, meta.port)], bootstrap_room=meta.room,
+                                        status=KVPoll.Failed, failure_reason=ended)
+            return
+        with self._lock:
+            room = self._p_room(meta.room)
             room.infos[(meta.ip, meta.port)] = meta
             complete = len(room.infos) >= meta.d_ranks_expected
+            aborted = room.aborted
         self.transfer_infos.setdefault(meta.room, {})[(meta.ip, meta.port)] = meta
+        if aborted:  # aborted before D asked: D stops waiting now
+            with self.failure_lock:
+                reason = self.failure_records.get(meta.room, "Aborted by AbortReq.")
+            self.send_kv_status_message(targets=[(meta.ip, meta.port)], bootstrap_room=meta.room,
+                                        status=KVPoll.Failed, failure_reason=reason)
+            return
         if complete:
             self.req_to_decode_prefix_len[meta.room] = meta.decode_prefix_len
             self.update_status(meta.room, KVPoll.WaitingForInput)
@@ -322,20 +350,21 @@ class KvsvcKVManager(CommonKVManager):
                 log.warning("kvsvc: could not tell %s that request %s is ready: %s", na.to_host_port_str(), room_id, e)
 
     def abort_room(self, room_id: int, reason: str) -> None:
-        """P: the request is aborted (by P's scheduler or D's notice). Its pages go back to
-        SGLang once nobody can read them: at once unless D already claimed the lease."""
+        """P: the request is aborted (by P's scheduler or D's notice), perhaps before D's
+        METADATA came. Its pages go back to SGLang once nobody can read them: at once unless
+        D already claimed the lease; D hears of it now rather than at its own timeout."""
         with self._lock:
-            room = self._p_rooms.get(room_id)
-            if room is None or room.aborted:
+            room = self._p_room(room_id)
+            if room.aborted:
                 return
             room.aborted = True
             leased = room.leased
         if self.request_status.get(room_id) == KVPoll.Success:
             return
-        self.record_failure(room_id, reason)
         if not leased:
-            self.update_status(room_id, KVPoll.Failed)
+            self.conclude_failure(bootstrap_room=room_id, failure_reason=reason)  # to D's ranks known so far
         else:
+            self.record_failure(room_id, reason)
             self._withdraw(room_id)
 
     def _withdraw(self, room_id: int) -> None:
@@ -363,9 +392,15 @@ class KvsvcKVManager(CommonKVManager):
             self.record_failure(room_id, RELEASE_REASONS.get(how, f"kvsvc: lease {how.value}"))
         self.update_status(room_id, KVPoll.Failed)
 
-    def forget_p_room(self, room_id: int) -> None:
+    def forget_p_room(self, room_id: int, failure: str | None) -> None:
+        """The sender is cleared; failure: why the request failed (None: it succeeded). A
+        METADATA that comes later (D was slower than P's abort) is answered with it."""
         with self._lock:
             room = self._p_rooms.pop(room_id, None)
+            if failure is not None:
+                self._p_ended[room_id] = failure
+                while len(self._p_ended) > MAX_P_ROOMS:
+                    self._p_ended.popitem(last=False)
         if room is not None and room.leased and not room.aborted \
                 and self.request_status.get(room_id) not in (KVPoll.Success, KVPoll.Failed):
             self._withdraw(room_id)  # cleared while leased (never seen in SGLang's flow): free nothing readable
@@ -478,8 +513,12 @@ class KvsvcKVSender(CommonKVSender):
         self.trace_ctx.abort(abort_info={"reason": "Aborted"})
 
     def clear(self) -> None:
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        succeeded = mgr.request_status.get(room) == KVPoll.Success
+        with mgr.failure_lock:
+            failure = None if succeeded else mgr.failure_records.get(room, "the prefill side ended the request")
         super().clear()
-        self.kv_mgr.forget_p_room(self.bootstrap_room)
+        mgr.forget_p_room(room, failure)
 
 
 class KvsvcKVReceiver(CommonKVReceiver):
