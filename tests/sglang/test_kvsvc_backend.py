@@ -34,8 +34,8 @@ from tests.vllm.served import Served
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.full]
 
-MORE = PROMPTS + ["Why does decode read what prefill wrote? " * 12, "Why does decode read what prefill wrote? " * 12
-                  + "Because it must.", "one two three four five six seven eight nine ten " * 9, "x"]
+WHY = "Why does decode read what prefill wrote? " * 12
+MORE = [*PROMPTS, WHY, WHY + "Because it must.", "one two three four five six seven eight nine ten " * 9, "x"]
 CHUNKED = ("--chunked-prefill-size", "64")  # long prompts prefill in several chunks: leased after the last
 
 
