@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm clean node
+.PHONY: etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -147,6 +147,10 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m bench.vllm_pd --json bench/vllm.json
 	$(VLLM_VENV)/bin/python -m bench.vllm_load --json bench/vllm-load.json --plot bench/vllm-load.png
 	$(VLLM_VENV)/bin/python -m bench.vllm_embedded --json bench/vllm-embedded.json
+
+# SGLang with the kvsvc backend vs its own NIXL backend, same pair (about 6 minutes here).
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m bench.sglang_pd --json bench/sglang.json
 
 proto: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen
