@@ -43,6 +43,16 @@ ETCD = [
     ".venv/bin/kvsvc engines --etcd http://127.0.0.1:2379 --watch",
 ]
 
+# docs/SGLANG.md's commands, as tests/sglang/served.py runs them (free ports, CPU settings added)
+SGLANG = {
+    "python -m sglang.launch_server --model-path MODEL --disaggregation-mode prefill --disaggregation-transfer-backend "
+    "kvsvc --disaggregation-bootstrap-port 8998 --port 30000": '"--disaggregation-bootstrap-port", str(bootstrap)',
+    "python -m sglang.launch_server --model-path MODEL --disaggregation-mode decode --disaggregation-transfer-backend "
+    "kvsvc --port 30001": '"--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend',
+    "python -m sglang_router.launch_router --pd-disaggregation --prefill http://127.0.0.1:30000 8998 --decode "
+    "http://127.0.0.1:30001 --port 8000": '"sglang_router.launch_router", "--pd-disaggregation"',
+}
+
 # command -> HERE, ("test", path, text the test holds), or ("not here", reason)
 WHO: dict[str, object] = {
     "make demo": ("test", ".ci/run", "make demo"),
@@ -58,6 +68,10 @@ WHO: dict[str, object] = {
                                                                              "[vllm]"),
     ".venv/bin/kvsvc serve --config node.toml": ("test", "tests/clients/test_readme_snippets.py",
                                                  'snippet("### Config\\n", "toml")'),
+    "make sglang-venv": ("test", "Makefile", "sglang-venv: $(SGLANG_STAMP)"),
+    "make test-sglang": ("test", "Makefile", "test-sglang: $(SGLANG_STAMP)"),
+    "make bench-sglang": ("not here", "about 6 minutes of real SGLang servers; bench/sglang.json holds its last run"),
+    **{cmd: ("test", "tests/sglang/served.py", text) for cmd, text in SGLANG.items()},
     **{d: HERE for d in DEMOS + INSPECT + ETCD},
 }
 

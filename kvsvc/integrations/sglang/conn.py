@@ -112,6 +112,8 @@ def _unsupported(args: KVArgs, mode: DisaggregationMode) -> list[str]:
         why.append("KV cache sharding")
     if getattr(args, "host_kv_data_ptrs", None) and mode == DisaggregationMode.DECODE:
         why.append("host KV destinations")
+    if os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL") == "INTRA_NODE_NVLINK":
+        why.append("aux buffers in GPU memory (SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK)")
     if get_disagg().disaggregation_decode_allocation_policy == "prefill_complete":
         why.append("--disaggregation-decode-allocation-policy prefill_complete")
     return why
