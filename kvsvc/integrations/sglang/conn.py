@@ -255,7 +255,10 @@ class KvsvcKVManager(CommonKVManager):
         room = self._p_rooms.get(room_id)
         if room is None:
             while len(self._p_rooms) >= MAX_P_ROOMS:
-                self._p_rooms.pop(next(iter(self._p_rooms)))
+                oldest = next(iter(self._p_rooms))
+                del self._p_rooms[oldest]
+                if oldest not in self.request_status:  # never served here: SGLang's own entry goes too
+                    self.transfer_infos.pop(oldest, None)
             room = self._p_rooms[room_id] = _PRoom()
         return room
 

@@ -1,0 +1,123 @@
+"""The kvsvc servers SGLang's backend embeds (kvsvc.integrations.sglang.embedded), without
+SGLang: a P and a D server in this process over SGLang-shaped pools (numpy buffers given as
+addresses, K of every layer then V, as KVArgs gives them), real NIXL, real gRPC between them.
+What SGLang's sender and receiver rely on: the lease, the pull, the release P hears of, a
+withdraw refused while D holds a claim, and a cancelled transfer that ends only once settled.
+The whole backend runs against real SGLang servers in tests/sglang."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvsvc.client import Client
+from kvsvc.config import Role
+from kvsvc.errors import KvsvcError
+from kvsvc.integrations.sglang.embedded import EmbeddedServer
+from kvsvc.integrations.sglang.layout import SGLangPools, describe
+from kvsvc.leases.table import LeaseState
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+LAYERS, PAGES, HEADS, HEAD_DIM = 2, 16, 2, 8
+TOKEN = "a" * 32
+
+
+def pools(tp_rank_seed: int | None) -> tuple[SGLangPools, list[np.ndarray]]:
+    """One worker's K and V buffers: random (P) or zero (D)."""
+    rng = np.random.default_rng(tp_rank_seed)
+    bufs = [rng.integers(0, 255, (PAGES, HEADS * HEAD_DIM * 2), dtype=np.uint8) if tp_rank_seed is not None
+            else np.zeros((PAGES, HEADS * HEAD_DIM * 2), np.uint8) for _ in range(2 * LAYERS)]
+    return SGLangPools([b.ctypes.data for b in bufs], [b.nbytes for b in bufs], [b.shape[1] for b in bufs], 1, False,
+                       HEADS, 1, "tiny|kv=auto"), bufs
+
+
+@pytest.fixture
+def pair():
+    released: list[tuple[str, LeaseState]] = []
+    done = threading.Event()
+
+    def on_release(rid: str, how: LeaseState) -> None:
+        released.append((rid, how))
+        done.set()
+
+    p_pools, p_bufs = pools(1)
+    d_pools, d_bufs = pools(None)
+    p = EmbeddedServer(engine_id="sglang-prefill-test", role=Role.PREFILL, tp_rank=0, tp_size=1,
+                       description=describe(p_pools), host="127.0.0.1", on_release=on_release)
+    d = EmbeddedServer(engine_id="sglang-decode-test", role=Role.DECODE, tp_rank=0, tp_size=1,
+                       description=describe(d_pools), host="127.0.0.1")
+    p.start()
+    d.start()
+    try:
+        yield p, d, p_bufs, d_bufs, released, done
+    finally:
+        d.stop()
+        p.stop()
+
+
+def test_p_leases_d_pulls_the_pages_and_p_hears_consumed(pair):
+    p, d, p_bufs, d_bufs, released, done = pair
+    params = p.lease("sglang-1", [3, 4, 5], TOKEN)
+    assert [s.address for s in params.remote_servers] == [p.address]
+    resp = d.transfer("sglang-1", params, [9, 10, 11], 30).result(30)
+    assert resp.total_bytes == 3 * 2 * LAYERS * HEADS * HEAD_DIM * 2
+    for pb_, db in zip(p_bufs, d_bufs, strict=True):
+        assert np.array_equal(db[[9, 10, 11]], pb_[[3, 4, 5]])
+        assert not db[:9].any() and not db[12:].any()  # nothing else written
+    assert done.wait(10) and released == [("sglang-1", LeaseState.CONSUMED)]
+    assert p.final_state("sglang-1") is LeaseState.CONSUMED
+
+
+def test_a_withdrawn_lease_fails_ds_transfer_typed_and_nothing_writes_after(pair):
+    p, d, _, d_bufs, released, _ = pair
+    params = p.lease("sglang-2", [1, 2], TOKEN)
+    assert p.withdraw("sglang-2", TOKEN) is True
+    with pytest.raises(KvsvcError) as e:
+        d.transfer("sglang-2", params, [1, 2], 30).result(30)
+    assert e.value.reason.startswith("LEASE_")
+    # D may have read before its claim was refused (kvsvc reads while it claims): the pages'
+    # content is then void, and the failure says so; nothing may write into them after it.
+    snapshot = [b.copy() for b in d_bufs]
+    time.sleep(0.3)
+    assert all(np.array_equal(a, b) for a, b in zip(snapshot, d_bufs, strict=True))
+    assert released == []  # a withdraw is P's own doing: no release event for it
+    assert p.withdraw("sglang-never-leased", TOKEN) is True  # nothing to read: gone
+
+
+def test_a_claimed_lease_is_not_withdrawn_and_its_release_comes_later(pair):
+    p, _, _, _, released, done = pair
+    params = p.lease("sglang-3", [1], TOKEN)
+    claim = uuid.uuid4().hex
+    with Client(p.address) as c:
+        c.claim_lease(pb.ClaimLeaseRequest(request_id="sglang-3", lease_epoch=params.remote_epoch,
+                                           engine_id="other-d", tp_size=1, lease_token=TOKEN, claim_id=claim))
+        assert p.withdraw("sglang-3", TOKEN) is False  # D reads: P must wait
+        assert not done.is_set()
+        c.notify(pb.NotifyRequest(request_id="sglang-3", kind=pb.NOTIFY_KIND_ABORTED, engine_id="other-d", tp_size=1,
+                                  lease_epoch=params.remote_epoch, lease_token=TOKEN, claim_id=claim))
+    assert done.wait(10) and released == [("sglang-3", LeaseState.ABORTED)]
+
+
+def test_a_cancelled_transfer_ends_once_settled_and_gives_p_its_lease_back(pair):
+    p, d, _, d_bufs, released, done = pair
+    params = p.lease("sglang-4", list(range(1, 9)), TOKEN)
+    fut = d.transfer("sglang-4", params, list(range(1, 9)), 30)
+    d.cancel("sglang-4")  # at once: before its task ran, or while it runs
+    deadline = time.monotonic() + 30
+    while not fut.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    snapshot = [b.copy() for b in d_bufs]
+    time.sleep(0.3)
+    assert all(np.array_equal(a, b) for a, b in zip(snapshot, d_bufs, strict=True))  # settled: no late write
+    if fut.cancelled():  # P hears the lease end (D gave it back), or takes it back itself
+        if not done.wait(5):
+            assert p.withdraw("sglang-4", TOKEN) is True
+        else:
+            assert released == [("sglang-4", LeaseState.ABORTED)]
+    else:  # it finished before the cancel reached it
+        assert fut.exception() is None and done.wait(10) and released == [("sglang-4", LeaseState.CONSUMED)]
