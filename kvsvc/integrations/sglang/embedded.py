@@ -141,8 +141,10 @@ class EmbeddedServer:
         return self._loop.run(take_back(), CALL_TIMEOUT_S)
 
     async def _watch_releases(self, server: RunningServer) -> None:
-        """Every lease this server releases, to on_release; a subscription that fell behind is
-        made again (what was missed is looked up by whoever waits, with final_state)."""
+        """Every lease this server releases, to on_release. The subscription is read on this
+        same loop, so it falls behind (64 MiB of releases unread) only if the loop stalls that
+        long; it is then made again and the releases in the gap are not reported: their
+        requests end by SGLang's own timeouts."""
         while True:
             sub = server.node.leases.subscribe()
             try:
