@@ -23,7 +23,7 @@ class Releases:
 
     def __init__(self, addresses: list[str]) -> None:
         self.addresses = sorted(set(addresses))
-        self.events: list[tuple[str, str, str]] = []  # (server, request id, reason)
+        self.events: list[tuple[str, str, str, float]] = []  # (server, request id, reason, time.monotonic())
         self._loop = LoopThread("releases")
         self._tasks = self._loop.run(self._subscribe(), 30)  # engines busy on two cores can be slow to answer
 
@@ -34,7 +34,7 @@ class Releases:
 
     async def _drain(self, address: str, stream: ReleaseStream) -> None:
         async for ev in stream:
-            self.events.append((address, ev.request_id, pb.ReleaseReason.Name(ev.reason)))
+            self.events.append((address, ev.request_id, pb.ReleaseReason.Name(ev.reason), time.monotonic()))
 
     def wait(self, request_ids: list[str], timeout_s: float = 30.0) -> dict[str, list[str]]:
         """request id -> reasons seen on every server, once each server released it (or the timeout)."""
@@ -49,9 +49,13 @@ class Releases:
 
     def by_request(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
-        for _, rid, reason in list(self.events):
+        for _, rid, reason, _at in list(self.events):
             out.setdefault(rid, []).append(reason)
         return out
+
+    def last_release_at(self) -> float:
+        """When (time.monotonic()) the latest release event arrived."""
+        return max(at for *_, at in self.events)
 
     def live_leases(self) -> int:
         async def count() -> int:

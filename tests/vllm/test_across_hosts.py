@@ -67,7 +67,7 @@ def test_p_d_and_router_on_three_hosts_equal_the_aggregated_run(engines, referen
                 deadline = time.monotonic() + 30
                 while len(releases.events) < 2 and time.monotonic() < deadline:
                     time.sleep(0.1)
-                assert sorted(reason for _, _, reason in releases.events) == [CONSUMED] * 2, releases.events
+                assert sorted(reason for _, _, reason, _at in releases.events) == [CONSUMED] * 2, releases.events
                 assert releases.live_leases() == 0
             finally:
                 releases.close()

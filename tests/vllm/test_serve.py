@@ -83,7 +83,7 @@ def test_pd_over_http_and_the_router_equal_the_aggregated_run(served, reference)
         deadline = time.monotonic() + 30
         while len(releases.events) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sorted(reason for _, _, reason in releases.events) == [CONSUMED] * 3, (got, releases.events)
+        assert sorted(reason for _, _, reason, _at in releases.events) == [CONSUMED] * 3, (got, releases.events)
         assert releases.live_leases() == 0
     finally:
         releases.close()
