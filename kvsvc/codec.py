@@ -24,6 +24,7 @@ from kvsvc.layout.specs import (
 )
 from kvsvc.limits import MAX_DIM, MAX_GROUPS, MAX_LAYERS, MAX_NUM_BLOCKS, MAX_TP_SIZE, check_count, check_id, too_big
 from kvsvc.mapping.planner import RankPlan
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 _DTYPES = {
@@ -41,7 +42,7 @@ _KIND = {RegionKind.KEY: pb.REGION_KIND_KEY, RegionKind.VALUE: pb.REGION_KIND_VA
          RegionKind.KV: pb.REGION_KIND_KV}
 
 
-def bad_field(field: str, description: str, reason: str = "INVALID_FIELD", **meta: object) -> InvalidArgument:
+def bad_field(field: str, description: str, reason: str = Reason.INVALID_FIELD, **meta: object) -> InvalidArgument:
     return InvalidArgument(reason, f"{field}: {description}", {"field": field, **meta},
                            field_violations=[FieldViolation(field, description)])
 
@@ -49,7 +50,7 @@ def bad_field(field: str, description: str, reason: str = "INVALID_FIELD", **met
 def _enum(table: dict, value: int, field: str, enum_name: str) -> object:
     if value not in table:
         raise bad_field(field, f"{enum_name} must be set (got {value}; *_UNSPECIFIED is rejected)",
-                   "UNSPECIFIED_ENUM", value=value)
+                   Reason.UNSPECIFIED_ENUM, value=value)
     return table[value]
 
 
@@ -117,10 +118,10 @@ def spec_from_proto(msg: pb.KvCacheSpec, block_size: int, field: str) -> KVCache
         inner = []
         for i, layer in enumerate(msg.uniform_type.layers):
             if layer.spec.WhichOneof("kind") == "uniform_type":
-                raise bad_field(f"{field}.layers[{i}]", "a uniform-type spec cannot nest another", "NESTED_UNIFORM_GROUP")
+                raise bad_field(f"{field}.layers[{i}]", "a uniform-type spec cannot nest another", Reason.NESTED_UNIFORM_GROUP)
             inner.append((layer.layer_name, spec_from_proto(layer.spec, block_size, f"{field}.layers[{i}].spec")))
         return UniformTypeKVCacheSpecs(block_size, tuple(inner))
-    raise bad_field(field, "spec kind must be set", "MISSING_FIELD")
+    raise bad_field(field, "spec kind must be set", Reason.MISSING_FIELD)
 
 
 # ---- layout --------------------------------------------------------------------------

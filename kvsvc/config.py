@@ -13,6 +13,7 @@ from typing import Any
 from kvsvc.errors import InvalidArgument
 from kvsvc.layout.build import layout_from_dict
 from kvsvc.layout.engine import EngineLayout
+from kvsvc.reasons import Reason
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 MAX_COPY_THREADS = 16
@@ -144,24 +145,24 @@ class ServerConfig:
 
     def validate(self) -> None:
         if self.tp_size <= 0:
-            raise InvalidArgument("INVALID_CONFIG", f"tp_size must be positive, got {self.tp_size}")
+            raise InvalidArgument(Reason.INVALID_CONFIG, f"tp_size must be positive, got {self.tp_size}")
         bad = [r for r in self.ranks if not 0 <= r < self.tp_size]
         if bad or not self.ranks or len(set(self.ranks)) != len(self.ranks):
-            raise InvalidArgument("INVALID_CONFIG", f"ranks {list(self.ranks)} must be distinct and in [0, {self.tp_size})")
+            raise InvalidArgument(Reason.INVALID_CONFIG, f"ranks {list(self.ranks)} must be distinct and in [0, {self.tp_size})")
         if not self.engine_id:
-            raise InvalidArgument("INVALID_CONFIG", "engine_id must be set")
+            raise InvalidArgument(Reason.INVALID_CONFIG, "engine_id must be set")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise InvalidArgument("INVALID_CONFIG", "tls_cert_file and tls_key_file go together")
+            raise InvalidArgument(Reason.INVALID_CONFIG, "tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
-            raise InvalidArgument("INVALID_CONFIG", "tls_client_ca_file needs tls_cert_file and tls_key_file")
+            raise InvalidArgument(Reason.INVALID_CONFIG, "tls_client_ca_file needs tls_cert_file and tls_key_file")
         if self.cuda_devices and len(self.cuda_devices) != len(self.ranks):
-            raise InvalidArgument("INVALID_CONFIG", f"cuda_devices names {len(self.cuda_devices)} devices for "
+            raise InvalidArgument(Reason.INVALID_CONFIG, f"cuda_devices names {len(self.cuda_devices)} devices for "
                                   f"{len(self.ranks)} hosted ranks")
         if not isinstance(self.copy_threads, int) or not 0 <= self.copy_threads <= MAX_COPY_THREADS:
-            raise InvalidArgument("INVALID_CONFIG", f"copy_threads must be in [0, {MAX_COPY_THREADS}], "
+            raise InvalidArgument(Reason.INVALID_CONFIG, f"copy_threads must be in [0, {MAX_COPY_THREADS}], "
                                   f"got {self.copy_threads}")
         if self.max_live_leases <= 0 or self.drain_timeout_s < 0:
-            raise InvalidArgument("INVALID_CONFIG", "max_live_leases must be positive and drain_timeout_s >= 0")
+            raise InvalidArgument(Reason.INVALID_CONFIG, "max_live_leases must be positive and drain_timeout_s >= 0")
         if self.etcd_endpoints:
             from kvsvc.discovery.etcd import parse_endpoints
             from kvsvc.discovery.registry import check_ttl, engine_prefix
@@ -186,7 +187,7 @@ def server_settings(where: str, settings: Mapping[str, Any]) -> dict[str, Any]:
     read as its field's type, strictly; an unknown key is INVALID_CONFIG naming it."""
     unknown = sorted(str(k) for k in settings if k not in _SERVER_KEYS)
     if unknown:
-        raise InvalidArgument("INVALID_CONFIG", f"{where}: unknown keys {unknown}", {"unknown": ",".join(unknown)})
+        raise InvalidArgument(Reason.INVALID_CONFIG, f"{where}: unknown keys {unknown}", {"unknown": ",".join(unknown)})
     return {key: _from_toml(f"{where}: {key}", value, _FIELD_TYPES[key]) for key, value in settings.items()}
 
 
@@ -194,7 +195,7 @@ def _from_toml(where: str, value: Any, kind: Any) -> Any:
     """value as a field of type kind (str, int, float, bool, an enum or tuple[T, ...]), strictly:
     a TOML value of another type is INVALID_CONFIG naming the key, never converted by guess."""
     def bad(expected: str) -> InvalidArgument:
-        return InvalidArgument("INVALID_CONFIG", f"{where} must be {expected}, not {type(value).__name__} "
+        return InvalidArgument(Reason.INVALID_CONFIG, f"{where} must be {expected}, not {type(value).__name__} "
                                f"{str(value)[:80]!r}", {"key": where.rsplit(" ", 1)[-1], "expected": expected})
 
     if typing.get_origin(kind) is tuple:
@@ -235,7 +236,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServerConfi
         srv = dict(doc.get("server", {}))
         unknown = sorted(set(doc) - {"server", "layout"}) + sorted(f"server.{k}" for k in set(srv) - _SERVER_KEYS)
         if unknown:
-            raise InvalidArgument("INVALID_CONFIG", f"{path}: unknown keys {unknown}; the [server] keys are "
+            raise InvalidArgument(Reason.INVALID_CONFIG, f"{path}: unknown keys {unknown}; the [server] keys are "
                                   f"{sorted(_SERVER_KEYS)}", {"unknown": ",".join(unknown)})
         kw = {key: _from_toml(f"{path}: server.{key}", value, _FIELD_TYPES[key]) for key, value in srv.items()}
         if "layout" in doc:

@@ -6,36 +6,27 @@
     ├── NotFound                    no such engine, lease or rank (NOT_FOUND)
     ├── PermissionDenied            the peer is not allowed to read this server's KV
     ├── Unavailable                 a peer or the data plane cannot be reached
+    │   └── Unreachable             no kvsvc answer: not reached, or the connection broke
+    ├── Cancelled                   the call was cancelled before any kvsvc answer
+    ├── Unimplemented               the server does not serve the call (an older kvsvc)
     ├── DeadlineExceeded            the transfer did not finish in time
     └── Internal                    a bug or a failed transfer (TRANSFER_FAILED)
 
-Reasons are UPPER_SNAKE strings (LAYOUT_MISMATCH, TP_NOT_DIVISIBLE, LEASE_EXPIRED, ...);
-metadata values are strings so they travel in google.rpc.ErrorInfo unchanged.
+Reasons are the members of kvsvc.reasons.Reason (LAYOUT_MISMATCH, TP_NOT_DIVISIBLE,
+LEASE_EXPIRED, ...), strings on the wire; metadata values are strings so they travel in
+google.rpc.ErrorInfo unchanged. The three states code branches on -- not reached, cancelled,
+not served -- are types, so no caller compares a reason to find them.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvsvc.reasons import ErrorCode as ErrorCode  # re-exported: callers import the codes with the errors
+from kvsvc.reasons import Reason
+
 DOMAIN = "kvsvc"
-
-
-class ErrorCode(enum.Enum):
-    """Canonical status codes kvsvc uses (names match grpc.StatusCode)."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    NOT_FOUND = "NOT_FOUND"
-    ALREADY_EXISTS = "ALREADY_EXISTS"
-    UNAVAILABLE = "UNAVAILABLE"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    CANCELLED = "CANCELLED"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    INTERNAL = "INTERNAL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +84,34 @@ class Unavailable(KvsvcError):
     code = ErrorCode.UNAVAILABLE
 
 
+class Unreachable(Unavailable):
+    """No kvsvc answer: the server was not reached, or the connection to it broke (or was
+    closed) before it answered. Reason UNAVAILABLE. A server's own UNAVAILABLE answers
+    (PEER_UNAVAILABLE, SHUTTING_DOWN, ...) are answers, not this: only this one may be
+    retried elsewhere or on a fresh connection."""
+
+    def __init__(self, message: str, metadata: Mapping[str, object] | None = None) -> None:
+        super().__init__(Reason.UNAVAILABLE, message, metadata)
+
+
+class Cancelled(KvsvcError):
+    """The call was cancelled (by either end) before any kvsvc answer. Reason CANCELLED."""
+
+    code = ErrorCode.CANCELLED
+
+    def __init__(self, message: str, metadata: Mapping[str, object] | None = None) -> None:
+        super().__init__(Reason.CANCELLED, message, metadata)
+
+
+class Unimplemented(KvsvcError):
+    """The server does not serve the call (a kvsvc from before it). Reason UNIMPLEMENTED."""
+
+    code = ErrorCode.UNIMPLEMENTED
+
+    def __init__(self, message: str, metadata: Mapping[str, object] | None = None) -> None:
+        super().__init__(Reason.UNIMPLEMENTED, message, metadata)
+
+
 class DeadlineExceeded(KvsvcError):
     code = ErrorCode.DEADLINE_EXCEEDED
 
@@ -105,4 +124,4 @@ def lease_not_yet_made(e: BaseException) -> bool:
     """P has never heard of the lease (and keeps no tombstone of it): not made yet -- params
     with lease_pending are handed out before the engine's servers lease the blocks -- or
     released so long ago that P forgot it."""
-    return isinstance(e, KvsvcError) and e.reason == "LEASE_EXPIRED" and e.metadata.get("state") == "unknown"
+    return isinstance(e, KvsvcError) and e.reason == Reason.LEASE_EXPIRED and e.metadata.get("state") == "unknown"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvsvc.errors import FieldViolation, InvalidArgument
+from kvsvc.reasons import Reason
 
 MAX_TP_SIZE = 1024
 """Largest TP size of either engine."""
@@ -55,7 +56,7 @@ STATUS_MESSAGE_CHARS = 2000
 
 def too_big(field: str, size: int, limit: int, unit: str) -> InvalidArgument:
     description = f"{size} {unit} exceeds the limit of {limit}"
-    return InvalidArgument("FIELD_TOO_LARGE", f"{field}: {description}",
+    return InvalidArgument(Reason.FIELD_TOO_LARGE, f"{field}: {description}",
                            {"field": field, "size": size, "limit": limit},
                            field_violations=[FieldViolation(field, description)])
 

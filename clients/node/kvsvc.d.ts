@@ -78,3 +78,6 @@ export class TransferChannel {
 }
 
 export function blocks(...groups: number[][]): BlockIds[];
+
+/** Every reason kvsvc's errors carry (the .proto's ErrorReason without its prefix), name -> name. */
+export const REASONS: Readonly<Record<string, string>>;

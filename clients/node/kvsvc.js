@@ -89,6 +89,16 @@ function loadService() {
   return grpc.loadPackageDefinition(def).kvsvc.v1.KvTransferService;
 }
 
+// Every reason kvsvc's errors carry: the .proto's ErrorReason values without their
+// ERROR_REASON_ prefix, name -> name, so callers write err.reason === REASONS.LEASE_EXPIRED
+// (a misspelt reason is undefined, not a comparison that is never true).
+function loadReasons() {
+  const def = protoLoader.loadSync(PROTO_FILE, LOADER_OPTIONS);
+  const names = def['kvsvc.v1.ErrorReason'].type.value.map((v) => v.name.replace(/^ERROR_REASON_/, ''));
+  return Object.freeze(Object.fromEntries(names.filter((n) => n !== 'UNSPECIFIED').map((n) => [n, n])));
+}
+const REASONS = loadReasons();
+
 const UNARY = {
   getInfo: 'GetInfo', handshake: 'Handshake', publishBlocks: 'PublishBlocks', claimLease: 'ClaimLease',
   planTransfer: 'PlanTransfer', transfer: 'Transfer', notify: 'Notify', waitTransfer: 'WaitTransfer',
@@ -247,4 +257,4 @@ class TransferChannel {
 
 const blocks = (...groups) => groups.map((ids) => ({ block_ids: ids }));
 
-module.exports = { KvsvcClient, TransferChannel, KvsvcError, toKvsvcError, blocks, loadService, PROTO_ROOT };
+module.exports = { KvsvcClient, TransferChannel, KvsvcError, toKvsvcError, blocks, loadService, REASONS, PROTO_ROOT };

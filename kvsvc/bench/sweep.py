@@ -45,6 +45,7 @@ from kvsvc.errors import KvsvcError
 from kvsvc.layout.build import simple_layout
 from kvsvc.layout.regions import build_pool_layout
 from kvsvc.mapping.planner import Side, plan_rank
+from kvsvc.reasons import Reason
 from kvsvc.service.prefill import HANDSHAKE_PROGRESS_S
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -111,7 +112,7 @@ def _attach(info: pb.GetInfoResponse) -> AttachedPool | None:
     except (OSError, ValueError, RuntimeError):  # RuntimeError: CUDA IPC refused (another host, no device)
         return None
     except KvsvcError as e:
-        if e.reason == "POOL_NOT_FOUND":  # shared memory of a server on another host
+        if e.reason == Reason.POOL_NOT_FOUND:  # shared memory of a server on another host
             return None
         raise
 

@@ -18,6 +18,7 @@ from kvsvc.errors import InvalidArgument
 from kvsvc.layout.build import layout_from_dict
 from kvsvc.layout.regions import build_pool_layout
 from kvsvc.mapping.planner import Side, validate_pair
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.verify import RankMemory, check_rank, fill_rank
 
@@ -159,11 +160,11 @@ def check_shape(args: argparse.Namespace) -> None:
     d_layout = layout_from_dict(demo_layout(args, args.decode_dcp), args.decode_tp)
     validate_pair(Side.of(d_layout, args.decode_tp), Side.of(p_layout, args.prefill_tp))
     if args.blocks <= 0:
-        raise InvalidArgument("INVALID_ARGUMENT", f"--blocks must be positive, got {args.blocks}")
+        raise InvalidArgument(Reason.INVALID_ARGUMENT, f"--blocks must be positive, got {args.blocks}")
     for side, tp, n in (("prefill", args.prefill_tp, args.prefill_servers), ("decode", args.decode_tp,
                                                                             args.decode_servers)):
         if not 1 <= n <= tp:
-            raise InvalidArgument("INVALID_ARGUMENT", f"--{side}-servers must be between 1 and the {side} TP "
+            raise InvalidArgument(Reason.INVALID_ARGUMENT, f"--{side}-servers must be between 1 and the {side} TP "
                                   f"size {tp}, got {n}", {"servers": n, "tp_size": tp})
 
 

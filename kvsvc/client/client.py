@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from kvsvc.client.errors import error_from_rpc, is_transport_unavailable
-from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.client.errors import error_from_rpc
+from kvsvc.errors import KvsvcError, Unavailable, Unreachable
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -144,7 +145,7 @@ class AsyncClient:
                                  metadata=(("traceparent", traceparent),) if traceparent else None)
             except grpc.aio.AioRpcError as e:
                 err = error_from_rpc(e)
-                if not is_transport_unavailable(err) or attempt == attempts - 1:
+                if not isinstance(err, Unreachable) or attempt == attempts - 1:
                     raise err from None
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay *= 2
@@ -293,7 +294,7 @@ class Client:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
             coro.close()
-            raise Unavailable("CLIENT_CLOSED", "this Client was closed")
+            raise Unavailable(Reason.CLIENT_CLOSED, "this Client was closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __enter__(self) -> Client:

@@ -8,6 +8,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvsvc.errors import (
+    Cancelled,
     DeadlineExceeded,
     ErrorCode,
     FailedPrecondition,
@@ -18,8 +19,16 @@ from kvsvc.errors import (
     NotFound,
     PermissionDenied,
     Unavailable,
+    Unimplemented,
+    Unreachable,
 )
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
+
+# A call that ended with no kvsvc answer -- its status has no ErrorInfo, so the reason is the
+# code's name -- becomes a type its callers can branch on: only Unreachable may be retried.
+_NO_ANSWER: dict[str, type[Unreachable | Cancelled | Unimplemented]] = {
+    Reason.UNAVAILABLE: Unreachable, Reason.CANCELLED: Cancelled, Reason.UNIMPLEMENTED: Unimplemented}
 
 _BY_CODE: dict[grpc.StatusCode, type[KvsvcError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -30,15 +39,6 @@ _BY_CODE: dict[grpc.StatusCode, type[KvsvcError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.INTERNAL: Internal,
 }
-
-
-def is_transport_unavailable(err: KvsvcError) -> bool:
-    """UNAVAILABLE from the channel itself (no kvsvc reason): the server was not reached.
-
-    A server's own UNAVAILABLE answers (PEER_UNAVAILABLE, DATA_PLANE_UNAVAILABLE, ...)
-    carry a reason and are answers, not grounds for a retry.
-    """
-    return err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
 
 
 def error_from_rpc(err: grpc.RpcError) -> KvsvcError:
@@ -79,6 +79,10 @@ def _error(code: grpc.StatusCode, message: str, status: status_pb2.Status | None
                 any_msg.Unpack(failure)
                 details.append(failure)
     message = (message or "").removeprefix(f"{reason}: ")  # the server prefixes its reason for grpcurl readers
+    if reason == code.name and reason in _NO_ANSWER:  # the call itself ended, with no kvsvc reason
+        e: KvsvcError = _NO_ANSWER[reason](message or "", metadata)
+        e.grpc_code = code  # type: ignore[attr-defined]
+        return e
     cls = _BY_CODE.get(code, KvsvcError)
     fallback = ErrorCode[code.name] if code.name in ErrorCode.__members__ else ErrorCode.INTERNAL
     e = cls(reason, message or "", metadata, violations, code=None if cls is not KvsvcError else fallback,

@@ -18,7 +18,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
-from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.errors import KvsvcError, Unreachable
 
 HEADER_BYTES = 4
 # A server's socket is <temp dir>/kvsvc-<epoch>-<random>/<name>; clients connect only to
@@ -118,10 +118,10 @@ class SocketCall(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         # The server closed it (a stream that ended) or it broke.
-        self._ended(Unavailable("UNAVAILABLE", f"{self._what} broke: {type(exc).__name__}") if exc else None)
+        self._ended(Unreachable(f"{self._what} broke: {type(exc).__name__}") if exc else None)
 
     def _fail(self, why: str) -> None:
-        self._ended(Unavailable("UNAVAILABLE", why))
+        self._ended(Unreachable(why))
         self.cancel()
 
     def _ended(self, error: KvsvcError | None) -> None:

@@ -33,8 +33,9 @@ from google.rpc import status_pb2
 from kvsvc.client.client import AsyncClient
 from kvsvc.client.errors import error_from_rpc, error_from_status
 from kvsvc.client.framing import LEASE_SOCKET_NAME, SocketCall, socket_path_of
-from kvsvc.errors import DeadlineExceeded, Internal, KvsvcError, Unavailable
+from kvsvc.errors import Cancelled, DeadlineExceeded, Internal, KvsvcError, Unimplemented, Unreachable
 from kvsvc.limits import MAX_LEASE_CALLS
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class _Stream:
         except BaseException as e:
             # Broken, or this writer cancelled mid-write: whether the message left is unknown,
             # so the stream ends and its calls are retried on a fresh one (all idempotent).
-            self._end(Unavailable("UNAVAILABLE", f"the LeaseChannel write failed: {type(e).__name__}"))
+            self._end(Unreachable(f"the LeaseChannel write failed: {type(e).__name__}"))
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
@@ -115,7 +116,7 @@ class _Stream:
                 batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
                 self.call.write_now(pb.LeaseChannelRequest(calls=batch))
         except Exception as e:
-            self._end(Unavailable("UNAVAILABLE", f"the lease socket write failed: {type(e).__name__}: {e}"))
+            self._end(Unreachable(f"the lease socket write failed: {type(e).__name__}: {e}"))
 
     def _deliver(self, resp: pb.LeaseChannelResponse) -> None:
         if resp.stream_error:
@@ -138,7 +139,7 @@ class _Stream:
         except grpc.aio.AioRpcError as e:
             error = error_from_rpc(e)
         except asyncio.CancelledError:
-            error = Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed")
+            error = Unreachable("the LeaseChannel stream was closed")
         finally:
             self._end(error)
 
@@ -155,7 +156,7 @@ class _Stream:
         self.call.cancel()
 
     async def close(self) -> None:
-        self._end(Unavailable("UNAVAILABLE", "the LeaseChannel stream was closed"))
+        self._end(Unreachable("the LeaseChannel stream was closed"))
         if self.reader is not None:
             self.reader.cancel()
             await asyncio.gather(self.reader, return_exceptions=True)
@@ -165,7 +166,7 @@ def _decode_error(data: bytes) -> KvsvcError:
     try:
         return error_from_status(status_pb2.Status.FromString(data))
     except DecodeError:
-        return Internal("INTERNAL", f"the P server answered an unreadable error ({len(data)} bytes)")
+        return Internal(Reason.INTERNAL, f"the P server answered an unreadable error ({len(data)} bytes)")
 
 
 class LeaseChannel:
@@ -239,24 +240,24 @@ class LeaseChannel:
                     await stream.submit(call, fut)
                     return await fut
             except TimeoutError:
-                raise DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer on the LeaseChannel to {self.address} "
+                raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, f"no answer on the LeaseChannel to {self.address} "
                                        f"within {timeout:.3f} s") from None
             except _StreamEnded as e:
                 ended = e.error
-                if ended is not None and ended.reason == "UNIMPLEMENTED":
+                if isinstance(ended, Unimplemented):
                     log.info("%s has no LeaseChannel: lease calls go unary", self.address)
                     self._unary = True
                     return None
-                if ended is not None and ended.reason == "SOCKET_FULL" and self._socket_path:
+                if ended is not None and ended.reason == Reason.SOCKET_FULL and self._socket_path:
                     # Refused before anything was read: the same call again, on the gRPC stream.
                     log.warning("lease socket of %s is full: lease calls go over gRPC", self.address)
                     self._socket_path = ""
                     continue
-                if ended is not None and ended.reason not in ("UNAVAILABLE", "CANCELLED"):
+                if ended is not None and not isinstance(ended, (Unreachable, Cancelled)):
                     raise ended from None  # the server's own answer for the stream (SHUTTING_DOWN, ...)
                 breaks += 1
                 if breaks == 2 or self._closed or loop.time() >= deadline:
-                    raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} broke before the "
+                    raise Unreachable(f"the LeaseChannel to {self.address} broke before the "
                                       f"answer: {ended or 'closed'}") from None
             finally:
                 if stream is not None:
@@ -267,7 +268,7 @@ class LeaseChannel:
             if self._stream is not None and not self._stream.ended:
                 return self._stream
             if self._closed:
-                raise Unavailable("UNAVAILABLE", f"the LeaseChannel to {self.address} is closed")
+                raise Unreachable(f"the LeaseChannel to {self.address} is closed")
             call: Any = None
             if self._socket_path:
                 try:

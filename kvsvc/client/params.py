@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from kvsvc.errors import InvalidArgument
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 MAX_PARAMS_JSON_BYTES = 16 * 1024 * 1024
@@ -33,15 +34,15 @@ def params_from_json(data: str | bytes | Mapping[str, Any]) -> pb.TransferParams
     do not parse (unknown field, wrong type, too big)."""
     if isinstance(data, (str, bytes)):
         if len(data) > MAX_PARAMS_JSON_BYTES:
-            raise InvalidArgument("BAD_TRANSFER_PARAMS", f"TransferParams JSON of {len(data)} bytes "
+            raise InvalidArgument(Reason.BAD_TRANSFER_PARAMS, f"TransferParams JSON of {len(data)} bytes "
                                   f"(max {MAX_PARAMS_JSON_BYTES})", {"bytes": len(data)})
         try:
             data = json.loads(data)
         except ValueError as e:
-            raise InvalidArgument("BAD_TRANSFER_PARAMS", f"TransferParams are not JSON: {e}"[:300]) from e
+            raise InvalidArgument(Reason.BAD_TRANSFER_PARAMS, f"TransferParams are not JSON: {e}"[:300]) from e
     if not isinstance(data, Mapping):
-        raise InvalidArgument("BAD_TRANSFER_PARAMS", "TransferParams JSON must be an object")
+        raise InvalidArgument(Reason.BAD_TRANSFER_PARAMS, "TransferParams JSON must be an object")
     try:
         return json_format.ParseDict(dict(data), pb.TransferParams())
     except json_format.ParseError as e:
-        raise InvalidArgument("BAD_TRANSFER_PARAMS", f"TransferParams do not parse: {e}"[:300]) from e
+        raise InvalidArgument(Reason.BAD_TRANSFER_PARAMS, f"TransferParams do not parse: {e}"[:300]) from e

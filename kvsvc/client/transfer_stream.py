@@ -36,8 +36,9 @@ from google.rpc import status_pb2
 from kvsvc.client.client import AsyncClient, blocks_proto
 from kvsvc.client.errors import error_from_rpc, error_from_status
 from kvsvc.client.framing import TRANSFER_SOCKET_NAME, SocketCall, socket_path_of
-from kvsvc.errors import DeadlineExceeded, Internal, KvsvcError, Unavailable
+from kvsvc.errors import Cancelled, DeadlineExceeded, Internal, KvsvcError, Unimplemented, Unreachable
 from kvsvc.limits import MAX_STREAM_CALLS
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class _Stream(_Carrier):
             # which is the stream's end: it is given a moment to say it first.
             if not isinstance(e, asyncio.CancelledError) and not self.ended:
                 await asyncio.wait([self.reader], timeout=STATUS_WAIT_S)
-            self._end(Unavailable("UNAVAILABLE", f"the TransferStream write failed: {type(e).__name__}"))
+            self._end(Unreachable(f"the TransferStream write failed: {type(e).__name__}"))
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
@@ -149,12 +150,12 @@ class _Stream(_Carrier):
         except grpc.aio.AioRpcError as e:
             error = error_from_rpc(e)
         except asyncio.CancelledError:
-            error = Unavailable("UNAVAILABLE", "the TransferStream was closed")
+            error = Unreachable("the TransferStream was closed")
         finally:
             self._end(error)
 
     async def close(self) -> None:
-        self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
+        self._end(Unreachable("the TransferStream was closed"))
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
 
@@ -181,7 +182,7 @@ class _SocketStream(_Carrier):
             while (msg := self.next_message()) is not None:
                 self.call.write_now(msg)
         except Exception as e:
-            self._end(Unavailable("UNAVAILABLE", f"the transfer socket write failed: {type(e).__name__}: {e}"))
+            self._end(Unreachable(f"the transfer socket write failed: {type(e).__name__}: {e}"))
 
     def _deliver(self, resp: pb.TransferStreamResponse) -> None:
         self.answered(resp)
@@ -189,7 +190,7 @@ class _SocketStream(_Carrier):
             self._end(_status_error(resp.stream_error, "the transfer socket's end"))
 
     async def close(self) -> None:
-        self._end(Unavailable("UNAVAILABLE", "the TransferStream was closed"))
+        self._end(Unreachable("the TransferStream was closed"))
 
 
 class TransferChannel:
@@ -241,9 +242,7 @@ class TransferChannel:
         timeout = timeout_s or self._client.options.timeout_s
         try:
             stream = None if self._unary or self._closed else await self._open()
-        except KvsvcError as e:
-            if e.reason != "UNIMPLEMENTED":
-                raise  # the server refused the stream (NOT_AN_ENGINE, SHUTTING_DOWN, ...)
+        except Unimplemented:  # other refusals (NOT_AN_ENGINE, SHUTTING_DOWN, ...) go to the caller
             log.info("%s has no TransferStream: transfers go unary", self.address)
             self._unary, stream = True, None
         if stream is None or req.request_id in stream.pending:
@@ -259,23 +258,23 @@ class TransferChannel:
                 answer = await fut
             answered = True
         except TimeoutError:
-            raise DeadlineExceeded("DEADLINE_EXCEEDED", f"no answer from {self.address} for transfer "
+            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, f"no answer from {self.address} for transfer "
                                    f"{req.request_id!r} within {timeout:.3f} s") from None
         except _Ended as e:
             answered = True  # nothing left to give up on that stream
-            if e.error is not None and e.error.reason == "UNIMPLEMENTED":
+            if isinstance(e.error, Unimplemented):
                 log.info("%s has no TransferStream: transfers go unary", self.address)
                 self._unary = True
                 return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
-            if e.error is not None and e.error.reason == "SOCKET_FULL" and self._socket_path:
+            if e.error is not None and e.error.reason == Reason.SOCKET_FULL and self._socket_path:
                 # The socket refused the connection before reading anything: nothing started
                 # there, so the same transfer goes over the gRPC stream (and later ones too).
                 log.warning("transfer socket of %s is full: transfers go over gRPC", self.address)
                 self._socket_path = ""
                 return await self.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
-            if e.error is not None and e.error.reason not in ("UNAVAILABLE", "CANCELLED"):
+            if e.error is not None and not isinstance(e.error, (Unreachable, Cancelled)):
                 raise e.error from None  # the server's own end of the stream (SHUTTING_DOWN, NOT_AN_ENGINE, ...)
-            raise Unavailable("UNAVAILABLE", f"the TransferStream to {self.address} broke before the answer "
+            raise Unreachable(f"the TransferStream to {self.address} broke before the answer "
                               f"to {req.request_id!r}: {e.error or 'closed'}") from None
         finally:
             if stream.pending.get(req.request_id) is fut:
@@ -373,7 +372,7 @@ async def _accepted(call: Any) -> None:
             pass
     except grpc.aio.AioRpcError as e:
         raise error_from_rpc(e) from None
-    raise Unavailable("UNAVAILABLE", "the TransferStream ended as it opened")
+    raise Unreachable("the TransferStream ended as it opened")
 
 
 def _error_of(answer: pb.TransferAnswer) -> KvsvcError:
@@ -384,4 +383,4 @@ def _status_error(data: bytes, what: str) -> KvsvcError:
     try:
         return error_from_status(status_pb2.Status.FromString(data))
     except DecodeError:
-        return Internal("INTERNAL", f"the D server answered an unreadable {what} ({len(data)} bytes)")
+        return Internal(Reason.INTERNAL, f"the D server answered an unreadable {what} ({len(data)} bytes)")

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvsvc.errors import FailedPrecondition, InvalidArgument, KvsvcError, Unavailable
+from kvsvc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,10 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[Endpoint]:
     """'http://h:2379,h2:2379' (or a list) -> endpoints; the scheme defaults to http."""
     items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     if not items:
-        raise InvalidArgument("ETCD_ENDPOINTS_INVALID", "no etcd endpoint given (e.g. http://127.0.0.1:2379)",
+        raise InvalidArgument(Reason.ETCD_ENDPOINTS_INVALID, "no etcd endpoint given (e.g. http://127.0.0.1:2379)",
                               {"endpoints": str(spec)[:200]})
     if len(items) > MAX_ENDPOINTS:
-        raise InvalidArgument("ETCD_ENDPOINTS_INVALID", f"at most {MAX_ENDPOINTS} etcd endpoints",
+        raise InvalidArgument(Reason.ETCD_ENDPOINTS_INVALID, f"at most {MAX_ENDPOINTS} etcd endpoints",
                               {"count": len(items)})
     out = []
     for item in items:
@@ -66,7 +67,7 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[Endpoint]:
         except ValueError:
             port = -1
         if url.scheme not in ("http", "https") or not url.hostname or port <= 0 or url.path not in ("", "/"):
-            raise InvalidArgument("ETCD_ENDPOINTS_INVALID", f"not an etcd endpoint: {item[:200]!r} (want "
+            raise InvalidArgument(Reason.ETCD_ENDPOINTS_INVALID, f"not an etcd endpoint: {item[:200]!r} (want "
                                   "http://host:port or https://host:port)", {"endpoint": item[:200]})
         out.append(Endpoint(url.scheme, url.hostname, port))
     return out
@@ -120,7 +121,7 @@ class EtcdClient:
         """A new lease of ttl_s seconds; its id."""
         resp = await self._post("/v3/lease/grant", {"TTL": int(ttl_s)})
         if resp.get("error"):
-            raise Unavailable("ETCD_ERROR", f"etcd refused a lease: {str(resp['error'])[:200]}")
+            raise Unavailable(Reason.ETCD_ERROR, f"etcd refused a lease: {str(resp['error'])[:200]}")
         return int(resp["ID"])
 
     async def keepalive(self, lease_id: int) -> int:
@@ -176,19 +177,19 @@ class EtcdClient:
             finally:
                 conn.close()
             if len(data) > MAX_RESPONSE_BYTES:
-                raise FailedPrecondition("ETCD_ANSWER_TOO_BIG", f"etcd at {ep} answered more than "
+                raise FailedPrecondition(Reason.ETCD_ANSWER_TOO_BIG, f"etcd at {ep} answered more than "
                                          f"{MAX_RESPONSE_BYTES} bytes", {"endpoint": str(ep)})
             try:
                 parsed = json.loads(data or b"{}")
             except ValueError:
-                raise Unavailable("ETCD_ERROR", f"etcd at {ep} answered {resp.status} with no JSON: "
+                raise Unavailable(Reason.ETCD_ERROR, f"etcd at {ep} answered {resp.status} with no JSON: "
                                   f"{data[:200]!r}", {"endpoint": str(ep)}) from None
             if resp.status != 200:
-                raise Unavailable("ETCD_ERROR", f"etcd at {ep} answered {resp.status}: "
+                raise Unavailable(Reason.ETCD_ERROR, f"etcd at {ep} answered {resp.status}: "
                                   f"{str(parsed.get('message') or parsed.get('error') or parsed)[:200]}",
                                   {"endpoint": str(ep), "status": resp.status})
             return parsed  # type: ignore[no-any-return]
-        raise Unavailable("ETCD_UNAVAILABLE", f"no etcd endpoint answered: {'; '.join(errors)[:500]}",
+        raise Unavailable(Reason.ETCD_UNAVAILABLE, f"no etcd endpoint answered: {'; '.join(errors)[:500]}",
                           {"endpoints": ",".join(map(str, self.endpoints))})
 
 
@@ -233,7 +234,7 @@ class EtcdWatch:
         try:
             error = self._stream()
         except Exception as e:  # a bug in parsing: end the watch with it, never silently
-            error = Unavailable("ETCD_WATCH_BROKEN", f"etcd watch failed: {type(e).__name__}: {e}")
+            error = Unavailable(Reason.ETCD_WATCH_BROKEN, f"etcd watch failed: {type(e).__name__}: {e}")
         if self._closed.is_set():
             error = None
         self._emit(error)
@@ -260,17 +261,17 @@ class EtcdWatch:
                 errors.append(f"{ep}: {type(e).__name__}: {e}")
             finally:
                 conn.close()
-        return Unavailable("ETCD_UNAVAILABLE", f"no etcd endpoint accepted the watch: {'; '.join(errors)[:500]}")
+        return Unavailable(Reason.ETCD_UNAVAILABLE, f"no etcd endpoint accepted the watch: {'; '.join(errors)[:500]}")
 
     def _read(self, resp: http.client.HTTPResponse, ep: Endpoint) -> KvsvcError | None:
         buf = b""
         while not self._closed.is_set():
             chunk = resp.read1(65536)
             if not chunk:
-                return Unavailable("ETCD_WATCH_BROKEN", f"etcd at {ep} ended the watch")
+                return Unavailable(Reason.ETCD_WATCH_BROKEN, f"etcd at {ep} ended the watch")
             buf += chunk
             if len(buf) > MAX_WATCH_LINE_BYTES:
-                return FailedPrecondition("ETCD_ANSWER_TOO_BIG", f"an etcd watch message over "
+                return FailedPrecondition(Reason.ETCD_ANSWER_TOO_BIG, f"an etcd watch message over "
                                           f"{MAX_WATCH_LINE_BYTES} bytes")
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -279,7 +280,7 @@ class EtcdWatch:
                 msg = json.loads(line)
                 result = msg.get("result") or {}
                 if msg.get("error") or result.get("canceled"):
-                    return Unavailable("ETCD_WATCH_BROKEN", f"etcd ended the watch: "
+                    return Unavailable(Reason.ETCD_WATCH_BROKEN, f"etcd ended the watch: "
                                        f"{str(msg.get('error') or result.get('cancel_reason'))[:200]}")
                 for ev in result.get("events", []):
                     kv = ev.get("kv", {})

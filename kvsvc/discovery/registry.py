@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from kvsvc.discovery.etcd import EtcdClient, WatchEvent
 from kvsvc.errors import InvalidArgument, KvsvcError
 from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_TP_SIZE, check_id
+from kvsvc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class ServerRecord:
     def from_json(cls, data: bytes) -> ServerRecord:
         """Parse and check a record read from etcd (anyone with write access could have put it)."""
         if len(data) > MAX_RECORD_BYTES:
-            raise InvalidArgument("DISCOVERY_RECORD_INVALID", f"record of {len(data)} bytes (max {MAX_RECORD_BYTES})")
+            raise InvalidArgument(Reason.DISCOVERY_RECORD_INVALID, f"record of {len(data)} bytes (max {MAX_RECORD_BYTES})")
         try:
             d = json.loads(data)
             rec = cls(engine_id=str(d["engine_id"]), role=str(d["role"]), tp_size=int(d["tp_size"]),
@@ -60,11 +61,11 @@ class ServerRecord:
                       layout_hash=str(d.get("layout_hash", "")), dcp_size=int(d.get("dcp_size", 1)),
                       server_version=str(d.get("server_version", "")))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise InvalidArgument("DISCOVERY_RECORD_INVALID", f"not a kvsvc server record: {e}") from None
+            raise InvalidArgument(Reason.DISCOVERY_RECORD_INVALID, f"not a kvsvc server record: {e}") from None
         check_id(rec.engine_id, "engine_id")
         check_id(rec.address, "address", MAX_ADDRESS_BYTES)
         if not 1 <= rec.tp_size <= MAX_TP_SIZE or any(not 0 <= r < rec.tp_size for r in rec.ranks):
-            raise InvalidArgument("DISCOVERY_RECORD_INVALID", f"tp_size {rec.tp_size} / ranks {rec.ranks[:8]} "
+            raise InvalidArgument(Reason.DISCOVERY_RECORD_INVALID, f"tp_size {rec.tp_size} / ranks {rec.ranks[:8]} "
                                   "out of range")
         return rec
 
@@ -76,7 +77,7 @@ def engines_prefix(prefix: str = DEFAULT_PREFIX) -> str:
 def engine_prefix(engine_id: str, prefix: str = DEFAULT_PREFIX) -> str:
     check_id(engine_id, "engine_id")
     if "/" in engine_id:
-        raise InvalidArgument("INVALID_ENGINE_ID", "an engine id registered in etcd may not contain '/'",
+        raise InvalidArgument(Reason.INVALID_ENGINE_ID, "an engine id registered in etcd may not contain '/'",
                               {"engine_id": engine_id})
     return f"{engines_prefix(prefix)}{engine_id}/servers/"
 
@@ -87,7 +88,7 @@ def server_key(record: ServerRecord, prefix: str = DEFAULT_PREFIX) -> str:
 
 def check_ttl(ttl_s: int) -> int:
     if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
-        raise InvalidArgument("ETCD_TTL_INVALID", f"etcd_ttl_s must be {MIN_TTL_S}..{MAX_TTL_S} seconds",
+        raise InvalidArgument(Reason.ETCD_TTL_INVALID, f"etcd_ttl_s must be {MIN_TTL_S}..{MAX_TTL_S} seconds",
                               {"etcd_ttl_s": ttl_s})
     return ttl_s
 

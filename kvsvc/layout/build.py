@@ -16,6 +16,7 @@ from kvsvc.layout.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from kvsvc.reasons import Reason
 
 GROUP_KINDS = ("full_attention", "sliding_window", "mla", "mamba", "uniform")
 
@@ -36,11 +37,11 @@ _STATE_KEYS = frozenset({"shape", "dtype"})
 
 def _check_keys(table: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
     if not isinstance(table, Mapping):
-        raise InvalidArgument("INVALID_LAYOUT", f"{where} must be a table, not {type(table).__name__}",
+        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{where} must be a table, not {type(table).__name__}",
                               {"where": where})
     unknown = sorted(str(k) for k in table if k not in allowed)
     if unknown:
-        raise InvalidArgument("UNKNOWN_LAYOUT_KEY", f"{where} has unknown keys {unknown}; it may have "
+        raise InvalidArgument(Reason.UNKNOWN_LAYOUT_KEY, f"{where} has unknown keys {unknown}; it may have "
                               f"{sorted(allowed)}", {"where": where, "unknown": ",".join(unknown)})
 
 
@@ -64,14 +65,14 @@ def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dt
             full = [int(x) for x in st["shape"]]
             if full[0] % tp_size:
                 raise InvalidArgument(
-                    "TP_NOT_DIVISIBLE",
+                    Reason.TP_NOT_DIVISIBLE,
                     f"mamba state dim 0 ({full[0]}) is not divisible by TP {tp_size}",
                     {"state_dim0": full[0], "tp_size": tp_size},
                 )
             shapes.append((full[0] // tp_size, *full[1:]))
         dtypes = tuple(DType.parse(st["dtype"]) if "dtype" in st else dt for st in states)
         return MambaSpec(block, tuple(shapes), dtypes)
-    raise InvalidArgument("UNKNOWN_SPEC_TYPE", f"unknown group kind {kind!r}; use one of {GROUP_KINDS}", {"kind": kind})
+    raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"unknown group kind {kind!r}; use one of {GROUP_KINDS}", {"kind": kind})
 
 
 def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
@@ -81,7 +82,7 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
     and sharded Mamba state shapes follow from total_num_kv_heads and tp_size.
     """
     if tp_size <= 0:
-        raise InvalidArgument("INVALID_TP_SIZE", f"tp_size must be positive, got {tp_size}", {"tp_size": tp_size})
+        raise InvalidArgument(Reason.INVALID_TP_SIZE, f"tp_size must be positive, got {tp_size}", {"tp_size": tp_size})
     _check_keys(d, LAYOUT_KEYS, "layout")
     k = int(d.get("total_num_kv_heads", 8))
     block = int(d.get("block_size", 16))

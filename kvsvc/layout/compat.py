@@ -18,6 +18,7 @@ from kvsvc.layout.specs import (
     SpecFamily,
     spec_family,
 )
+from kvsvc.reasons import Reason
 
 HASH_VERSION = 1
 
@@ -38,7 +39,7 @@ def _v(reason: str, message: str, **meta: object) -> Violation:
 def tp_divisibility(local_tp: int, remote_tp: int) -> Violation | None:
     """The TP sizes must divide one another (MAPPING.md §2)."""
     if local_tp <= 0 or remote_tp <= 0 or (local_tp % remote_tp and remote_tp % local_tp):
-        return _v("TP_NOT_DIVISIBLE",
+        return _v(Reason.TP_NOT_DIVISIBLE,
                   f"TP sizes {local_tp} (local) and {remote_tp} (remote) must divide one another",
                   local_tp_size=local_tp, remote_tp_size=remote_tp)
     return None
@@ -53,7 +54,7 @@ def check_compatibility(
     if tp:
         out.append(tp)
     if local.model_id != remote.model_id:
-        out.append(_v("MODEL_MISMATCH", f"models differ: local {local.model_id!r}, remote {remote.model_id!r}",
+        out.append(_v(Reason.MODEL_MISMATCH, f"models differ: local {local.model_id!r}, remote {remote.model_id!r}",
                       local_model_id=local.model_id, remote_model_id=remote.model_id))
     for side, lay in (("local", local), ("remote", remote)):
         for g in lay.groups:
@@ -61,38 +62,38 @@ def check_compatibility(
                 spec_family(g.spec)
             except KvsvcError as e:
                 out.append(_v(e.reason, f"{side} group {g.name!r}: {e.message}", side=side, group=g.name))
-    if out and any(v.reason == "MIXED_FAMILY_GROUP" for v in out):
+    if out and any(v.reason == Reason.MIXED_FAMILY_GROUP for v in out):
         return out
     out.extend(_check_groups(local, remote))
-    if any(v.reason == "GROUP_MISMATCH" for v in out):
+    if any(v.reason == Reason.GROUP_MISMATCH for v in out):
         return out
     heads_split = _heads_split(local, local_tp, remote, remote_tp)
     out.extend(_check_dcp(local, remote))  # names unequal block sizes itself when DCP is on
     if local.dcp_size == remote.dcp_size == 1 and local.block_size % remote.block_size:
-        out.append(_v("BLOCK_SIZE_MISMATCH",
+        out.append(_v(Reason.BLOCK_SIZE_MISMATCH,
                       f"local block size {local.block_size} must be a multiple of the remote {remote.block_size} "
                       "(a larger remote block is unsupported: give the prefill side a block size that divides the "
                       "decode side's; under vLLM that is the attention backend's kernel block)",
                       local_block_size=local.block_size, remote_block_size=remote.block_size))
     if local.total_num_kv_heads != remote.total_num_kv_heads and _has_family(local, SpecFamily.ATTENTION):
-        out.append(_v("KV_HEADS_MISMATCH",
+        out.append(_v(Reason.KV_HEADS_MISMATCH,
                       f"total KV heads differ: local {local.total_num_kv_heads}, remote {remote.total_num_kv_heads}",
                       local_total_num_kv_heads=local.total_num_kv_heads,
                       remote_total_num_kv_heads=remote.total_num_kv_heads))
     if local.memory_order is not remote.memory_order and heads_split:
-        out.append(_v("LAYOUT_MISMATCH",
+        out.append(_v(Reason.LAYOUT_MISMATCH,
                       f"memory layouts differ ({local.kv_memory_layout.value} vs {remote.kv_memory_layout.value}) "
                       "and heads are split; use the same layout on both sides",
                       local_kv_memory_layout=local.kv_memory_layout.value,
                       remote_kv_memory_layout=remote.kv_memory_layout.value))
     elif heads_split and KvMemoryLayout.NHD in (local.memory_order, remote.memory_order):
-        out.append(_v("LAYOUT_MISMATCH",
+        out.append(_v(Reason.LAYOUT_MISMATCH,
                       f"NHD layout with TP {local_tp} (local) vs {remote_tp} (remote) splits heads that are not "
                       "contiguous; use HND on both sides or equal TP",
                       kv_memory_layout="NHD", local_tp_size=local_tp, remote_tp_size=remote_tp))
     packed = {lay.region_layout is RegionLayout.PACKED_KV for lay in (local, remote)}
     if len(packed) > 1 and (_has_family(local, SpecFamily.ATTENTION)):
-        out.append(_v("REGION_LAYOUT_MISMATCH",
+        out.append(_v(Reason.REGION_LAYOUT_MISMATCH,
                       f"K and V are packed per token on one side ({local.region_layout.value} locally, "
                       f"{remote.region_layout.value} remotely): a packed row cannot be split into separate K and V",
                       local_region_layout=local.region_layout.value, remote_region_layout=remote.region_layout.value))
@@ -109,14 +110,14 @@ def _check_dcp(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
         return []
     out = []
     if lc % rd and rd % lc:
-        out.append(_v("DCP_NOT_DIVISIBLE", f"DCP sizes {lc} (local) and {rd} (remote) must divide one another",
+        out.append(_v(Reason.DCP_NOT_DIVISIBLE, f"DCP sizes {lc} (local) and {rd} (remote) must divide one another",
                       local_dcp_size=lc, remote_dcp_size=rd))
     if local.block_size != remote.block_size:
-        out.append(_v("BLOCK_SIZE_MISMATCH", f"with DCP ({lc} local, {rd} remote) the block sizes must be equal: "
+        out.append(_v(Reason.BLOCK_SIZE_MISMATCH, f"with DCP ({lc} local, {rd} remote) the block sizes must be equal: "
                       f"local {local.block_size}, remote {remote.block_size}",
                       local_block_size=local.block_size, remote_block_size=remote.block_size))
     if lc != rd and _has_family(local, SpecFamily.SSM):
-        out.append(_v("DCP_MISMATCH", f"an MLA+SSM pair needs equal DCP sizes, got {lc} (local) and {rd} (remote)",
+        out.append(_v(Reason.DCP_MISMATCH, f"an MLA+SSM pair needs equal DCP sizes, got {lc} (local) and {rd} (remote)",
                       local_dcp_size=lc, remote_dcp_size=rd))
     return out
 
@@ -137,17 +138,17 @@ def _heads_split(local: EngineLayout, local_tp: int, remote: EngineLayout, remot
 def _check_groups(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
     out: list[Violation] = []
     if len(local.groups) != len(remote.groups):
-        return [_v("GROUP_MISMATCH", f"group counts differ: local {len(local.groups)}, remote {len(remote.groups)}",
+        return [_v(Reason.GROUP_MISMATCH, f"group counts differ: local {len(local.groups)}, remote {len(remote.groups)}",
                    local_groups=len(local.groups), remote_groups=len(remote.groups))]
     for gi, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=True)):
         if lg.family is not rg.family or lg.spec_type is not rg.spec_type:
-            out.append(_v("GROUP_MISMATCH",
+            out.append(_v(Reason.GROUP_MISMATCH,
                           f"group {gi} types differ: local {lg.spec_type.__name__}, remote {rg.spec_type.__name__}",
                           group_index=gi, local_type=lg.spec_type.__name__, remote_type=rg.spec_type.__name__))
             continue
         ll, rl = list(lg.layers()), list(rg.layers())
         if len(ll) != len(rl):
-            out.append(_v("LAYER_COUNT_MISMATCH",
+            out.append(_v(Reason.LAYER_COUNT_MISMATCH,
                           f"group {gi} ({lg.name}) layer counts differ: local {len(ll)}, remote {len(rl)}",
                           group_index=gi, local_layers=len(ll), remote_layers=len(rl)))
             continue
@@ -159,24 +160,24 @@ def _check_groups(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
 def _check_leaf(gi: int, layer: str, ls: KVCacheSpec, rs: KVCacheSpec) -> list[Violation]:
     out: list[Violation] = []
     if type(ls) is not type(rs):
-        return [_v("GROUP_MISMATCH", f"layer {layer} types differ: {type(ls).__name__} vs {type(rs).__name__}",
+        return [_v(Reason.GROUP_MISMATCH, f"layer {layer} types differ: {type(ls).__name__} vs {type(rs).__name__}",
                    group_index=gi, layer=layer)]
     if isinstance(ls, AttentionSpec) and isinstance(rs, AttentionSpec):
         if ls.dtype is not rs.dtype:
-            out.append(_v("DTYPE_MISMATCH", f"layer {layer} dtypes differ: {ls.dtype.type_name} vs {rs.dtype.type_name}",
+            out.append(_v(Reason.DTYPE_MISMATCH, f"layer {layer} dtypes differ: {ls.dtype.type_name} vs {rs.dtype.type_name}",
                           layer=layer, local_dtype=ls.dtype.type_name, remote_dtype=rs.dtype.type_name))
         lv = ls.value_head_size if isinstance(ls, FullAttentionSpec) else ls.head_size
         rv = rs.value_head_size if isinstance(rs, FullAttentionSpec) else rs.head_size
         if (ls.head_size, lv) != (rs.head_size, rv):
-            out.append(_v("HEAD_SIZE_MISMATCH", f"layer {layer} head sizes differ: {ls.head_size} vs {rs.head_size}",
+            out.append(_v(Reason.HEAD_SIZE_MISMATCH, f"layer {layer} head sizes differ: {ls.head_size} vs {rs.head_size}",
                           layer=layer, local_head_size=ls.head_size, remote_head_size=rs.head_size))
     if isinstance(ls, MambaSpec) and isinstance(rs, MambaSpec):
         if len(ls.shapes) != len(rs.shapes):
-            out.append(_v("REGION_COUNT_MISMATCH", f"layer {layer} has {len(ls.shapes)} state regions locally and "
+            out.append(_v(Reason.REGION_COUNT_MISMATCH, f"layer {layer} has {len(ls.shapes)} state regions locally and "
                           f"{len(rs.shapes)} remotely", layer=layer, local_regions=len(ls.shapes),
                           remote_regions=len(rs.shapes)))
         elif ls.dtypes != rs.dtypes or [s[1:] for s in ls.shapes] != [s[1:] for s in rs.shapes]:
-            out.append(_v("SSM_SHAPE_MISMATCH", f"layer {layer} state shapes or dtypes differ: "
+            out.append(_v(Reason.SSM_SHAPE_MISMATCH, f"layer {layer} state shapes or dtypes differ: "
                           f"{ls.shapes} vs {rs.shapes}", layer=layer,
                           local_shapes=ls.shapes, remote_shapes=rs.shapes))
     return out
@@ -185,7 +186,7 @@ def _check_leaf(gi: int, layer: str, ls: KVCacheSpec, rs: KVCacheSpec) -> list[V
 def _check_regions(local: EngineLayout, local_tp: int, remote: EngineLayout, remote_tp: int) -> list[Violation]:
     lr, rr = build_pool_layout(local).regions, build_pool_layout(remote).regions
     if len(lr) != len(rr):
-        return [_v("REGION_COUNT_MISMATCH", f"region counts differ: local {len(lr)}, remote {len(rr)}",
+        return [_v(Reason.REGION_COUNT_MISMATCH, f"region counts differ: local {len(lr)}, remote {len(rr)}",
                    local_regions=len(lr), remote_regions=len(rr))]
     n = local.block_size // remote.block_size
     out: list[Violation] = []
@@ -198,19 +199,19 @@ def _check_regions(local: EngineLayout, local_tp: int, remote: EngineLayout, rem
 
 def _check_region_pair(a: Region, b: Region, n: int, local: EngineLayout, lt: int, rt: int) -> Violation | None:
     if a.kind is not b.kind:
-        return _v("REGION_MISMATCH", f"region {a.index} kinds differ: {a.kind.value} vs {b.kind.value}",
+        return _v(Reason.REGION_MISMATCH, f"region {a.index} kinds differ: {a.kind.value} vs {b.kind.value}",
                   region=a.index)
     if a.kind is RegionKind.SSM_STATE:
         expect_local = b.block_len * rt // lt if rt >= lt else None
         ok = a.block_len == expect_local if expect_local is not None else b.block_len == a.block_len * lt // rt
         if not ok:
-            return _v("SSM_SHAPE_MISMATCH", f"region {a.index} ({a.layer_name}) state bytes {a.block_len} (TP {lt}) "
+            return _v(Reason.SSM_SHAPE_MISMATCH, f"region {a.index} ({a.layer_name}) state bytes {a.block_len} (TP {lt}) "
                       f"do not shard from {b.block_len} (TP {rt})", region=a.index,
                       local_block_len=a.block_len, remote_block_len=b.block_len)
         return None
     if a.kind is RegionKind.LATENT:
         if a.block_len != n * b.block_len:
-            return _v("BLOCK_LEN_MISMATCH", f"MLA region {a.index} ({a.layer_name}) block lengths {a.block_len} vs "
+            return _v(Reason.BLOCK_LEN_MISMATCH, f"MLA region {a.index} ({a.layer_name}) block lengths {a.block_len} vs "
                       f"{b.block_len} (block ratio {n}) must match", region=a.index,
                       local_block_len=a.block_len, remote_block_len=b.block_len)
         return None
@@ -219,7 +220,7 @@ def _check_region_pair(a: Region, b: Region, n: int, local: EngineLayout, lt: in
     want_l = per_rank_heads(local.total_num_kv_heads, lt)
     want_r = per_rank_heads(local.total_num_kv_heads, rt)
     if (a.heads, b.heads) != (want_l, want_r) or a.head_bytes != b.head_bytes:
-        return _v("KV_HEADS_MISMATCH", f"region {a.index} ({a.layer_name}) holds {a.heads} local / {b.heads} remote "
+        return _v(Reason.KV_HEADS_MISMATCH, f"region {a.index} ({a.layer_name}) holds {a.heads} local / {b.heads} remote "
                   f"heads per rank; K={local.total_num_kv_heads} at TP {lt}/{rt} needs {want_l}/{want_r}",
                   region=a.index, local_heads=a.heads, remote_heads=b.heads)
     return None

@@ -17,6 +17,7 @@ from kvsvc.layout.specs import (
     representative_spec_type,
     spec_family,
 )
+from kvsvc.reasons import Reason
 
 
 class KvMemoryLayout(enum.Enum):
@@ -145,7 +146,7 @@ class EngineLayout:
         bad.extend(self._check_dcp(tp_size))
         if bad:
             raise InvalidArgument(
-                "INVALID_LAYOUT",
+                Reason.INVALID_LAYOUT,
                 "invalid layout: " + "; ".join(f"{v.field}: {v.description}" for v in bad),
                 {"model_id": self.model_id},
                 field_violations=bad,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.reasons import Reason
 
 
 class DType(enum.Enum):
@@ -34,7 +35,7 @@ class DType(enum.Enum):
             if name.lower() in (d.type_name, d.name.lower()):
                 return d
         raise InvalidArgument(
-            "UNKNOWN_DTYPE",
+            Reason.UNKNOWN_DTYPE,
             f"unknown dtype {name!r}; use one of {[d.type_name for d in cls]}",
             {"dtype": name},
         )
@@ -133,7 +134,7 @@ def representative_spec_type(spec: KVCacheSpec) -> type[KVCacheSpec]:
     """The class that stands for a group: a uniform wrapper's first inner spec's class."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
         if not spec.kv_cache_specs:
-            raise InvalidArgument("EMPTY_GROUP", "a uniform-type spec needs at least one layer")
+            raise InvalidArgument(Reason.EMPTY_GROUP, "a uniform-type spec needs at least one layer")
         return type(spec.kv_cache_specs[0][1])
     return type(spec)
 
@@ -146,7 +147,7 @@ def spec_family_of_type(spec_type: type[KVCacheSpec]) -> SpecFamily:
         return SpecFamily.ATTENTION
     if issubclass(spec_type, MambaSpec):
         return SpecFamily.SSM
-    raise InvalidArgument("UNKNOWN_SPEC_TYPE", f"spec type {spec_type.__name__} has no transfer family")
+    raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"spec type {spec_type.__name__} has no transfer family")
 
 
 def spec_family(spec: KVCacheSpec) -> SpecFamily:
@@ -163,7 +164,7 @@ def spec_family(spec: KVCacheSpec) -> SpecFamily:
     if len(distinct) > 1:
         # A well-formed request for an unsupported combination: FAILED_PRECONDITION.
         raise FailedPrecondition(
-            "MIXED_FAMILY_GROUP",
+            Reason.MIXED_FAMILY_GROUP,
             "a uniform-type group mixes spec families "
             + ", ".join(f"{n}={f.value}" for n, f in families.items())
             + "; split it into one group per family",
@@ -171,6 +172,6 @@ def spec_family(spec: KVCacheSpec) -> SpecFamily:
         )
     for name, inner in spec.layer_specs():
         if isinstance(inner, UniformTypeKVCacheSpecs):
-            raise InvalidArgument("NESTED_UNIFORM_GROUP", f"layer {name} nests a uniform-type spec")
+            raise InvalidArgument(Reason.NESTED_UNIFORM_GROUP, f"layer {name} nests a uniform-type spec")
     return spec_family_of_type(representative_spec_type(spec))
 

@@ -28,6 +28,7 @@ import numpy as np
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.mapping.release import ReleaseTracker
 from kvsvc.mapping.topology import tp_ratio
+from kvsvc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def blocks_digest(block_ids: Sequence[Sequence[int] | np.ndarray], num_tokens: i
 
 def _check_token(lease: Lease, token: str) -> None:
     if not secrets.compare_digest(token.encode(), lease.token.encode()):
-        raise PermissionDenied("LEASE_TOKEN_MISMATCH", f"the lease_token does not match request "
+        raise PermissionDenied(Reason.LEASE_TOKEN_MISMATCH, f"the lease_token does not match request "
                                f"{lease.request_id!r}'s lease: copy TransferParams as PublishBlocks returned them",
                                {"request_id": lease.request_id})
 
@@ -225,32 +226,32 @@ class LeaseTable:
                 num_tokens: int = 0) -> Lease:
         """Lease request_id's blocks; token is a sibling server's (one engine, one token), else new."""
         if not request_id:
-            raise InvalidArgument("MISSING_FIELD", "request_id must be set", {"field": "request_id"})
+            raise InvalidArgument(Reason.MISSING_FIELD, "request_id must be set", {"field": "request_id"})
         if not self.accepting:
-            raise Unavailable("SHUTTING_DOWN", "this server is shutting down and takes no new leases")
+            raise Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down and takes no new leases")
         if request_id in self._live:
-            raise KvsvcError("LEASE_EXISTS", f"request {request_id!r} is already published and not yet released",
+            raise KvsvcError(Reason.LEASE_EXISTS, f"request {request_id!r} is already published and not yet released",
                              {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)
         if len(self._live) >= self.max_live:
-            raise KvsvcError("TOO_MANY_LEASES", f"{len(self._live)} leases are live, the most this server keeps; "
+            raise KvsvcError(Reason.TOO_MANY_LEASES, f"{len(self._live)} leases are live, the most this server keeps; "
                              "wait for releases", {"live_leases": len(self._live), "max_live_leases": self.max_live},
                              code=ErrorCode.RESOURCE_EXHAUSTED)
         blocks = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
         count = sum(int(a.size) for a in blocks)
         if self._leased_blocks + count > self.max_leased_blocks:
-            raise KvsvcError("TOO_MANY_LEASED_BLOCKS", f"{self._leased_blocks} block ids are leased, and {count} "
+            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._leased_blocks} block ids are leased, and {count} "
                              f"more would pass the most this server keeps ({self.max_leased_blocks}); wait for "
                              "releases", {"leased_blocks": self._leased_blocks, "asked": count,
                                           "max_leased_blocks": self.max_leased_blocks},
                              code=ErrorCode.RESOURCE_EXHAUSTED)
         ttl = self.default_ttl_s if not ttl_s else ttl_s
         if ttl > self.max_ttl_s:
-            raise InvalidArgument("LEASE_TTL_TOO_LONG", f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
+            raise InvalidArgument(Reason.LEASE_TTL_TOO_LONG, f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
                                   f"{int(self.max_ttl_s * 1000)}", {"lease_ttl_ms": int(ttl * 1000),
                                                                     "max_lease_ttl_ms": int(self.max_ttl_s * 1000)})
         if token and self._aborted_early.get(request_id) == token:
             del self._aborted_early[request_id]
-            raise FailedPrecondition("LEASE_ABORTED", f"request {request_id!r} was aborted (with this lease token) "
+            raise FailedPrecondition(Reason.LEASE_ABORTED, f"request {request_id!r} was aborted (with this lease token) "
                                      "before it was published", {"request_id": request_id})
         self._dead.pop(request_id, None)
         lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
@@ -317,36 +318,36 @@ class LeaseTable:
         lease = self._live_lease(request_id, epoch)
         _check_token(lease, token)
         if digest and not secrets.compare_digest(digest, lease.digest):
-            raise InvalidArgument("PARAMS_INCONSISTENT", f"the params' block ids or num_tokens are not those "
+            raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"the params' block ids or num_tokens are not those "
                                   f"request {request_id!r} was published with: use the params PublishBlocks "
                                   "returned for it, unedited", {"request_id": request_id})
         tp_ratio(d_tp_size, self.tp_size)  # TP_NOT_DIVISIBLE before any accounting
         ranks = frozenset(d_ranks) if d_ranks else frozenset(range(d_tp_size))
         bad = sorted(r for r in ranks if not 0 <= r < d_tp_size)
         if bad:
-            raise InvalidArgument("RANK_OUT_OF_RANGE", f"ranks {bad[:8]} are outside the D TP size {d_tp_size}",
+            raise InvalidArgument(Reason.RANK_OUT_OF_RANGE, f"ranks {bad[:8]} are outside the D TP size {d_tp_size}",
                                   {"ranks": ",".join(map(str, bad[:8])), "tp_size": d_tp_size})
         if lease.state is LeaseState.CLAIMED and (lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size) != (
                 d_engine_id, d_tp_size, d_dcp_size):
-            raise FailedPrecondition("LEASE_CLAIMED", f"request {request_id!r} is claimed by engine "
+            raise FailedPrecondition(Reason.LEASE_CLAIMED, f"request {request_id!r} is claimed by engine "
                                      f"{lease.d_engine_id!r} (TP {lease.d_tp_size})",
                                      {"request_id": request_id, "claimed_by": lease.d_engine_id})
         if lease.state is LeaseState.OFFERED and self._claims_of.get(d_engine_id, 0) >= self.max_claims_per_engine:
             # One D engine may not hold every lease (a claim extends it, heartbeats keep it):
             # the rest of the table stays for the engine's other readers.
-            raise KvsvcError("TOO_MANY_CLAIMS", f"engine {d_engine_id[:64]!r} holds {self.max_claims_per_engine} "
+            raise KvsvcError(Reason.TOO_MANY_CLAIMS, f"engine {d_engine_id[:64]!r} holds {self.max_claims_per_engine} "
                              "claimed leases here, the most one D engine may; finish or abort some first",
                              {"engine_id": d_engine_id, "max_claims_per_engine": self.max_claims_per_engine},
                              code=ErrorCode.RESOURCE_EXHAUSTED)
         held = lease.claims.get(claim_id)
         if held is not None:
             if held.d_ranks != ranks:
-                raise InvalidArgument("CLAIM_CONFLICT", f"claim {claim_id[:8]}... was made for other ranks",
+                raise InvalidArgument(Reason.CLAIM_CONFLICT, f"claim {claim_id[:8]}... was made for other ranks",
                                       {"request_id": request_id})
         else:
             taken = sorted(set().union(*(c.d_ranks & ranks for c in lease.claims.values())))
             if taken:
-                raise FailedPrecondition("LEASE_CLAIMED", f"D ranks {taken[:8]} of request {request_id!r} are "
+                raise FailedPrecondition(Reason.LEASE_CLAIMED, f"D ranks {taken[:8]} of request {request_id!r} are "
                                          "claimed by another transfer", {"request_id": request_id,
                                                                          "ranks": ",".join(map(str, taken[:8]))})
             lease.claims[claim_id] = Claim(claim_id, ranks)
@@ -381,7 +382,7 @@ class LeaseTable:
             self._check_unclaimed_access(lease, kind, token)
         if withdraw:
             if kind is not NotifyKind.ABORTED:
-                raise InvalidArgument("INVALID_FIELD", "withdraw goes with NOTIFY_KIND_ABORTED", {"field": "withdraw"})
+                raise InvalidArgument(Reason.INVALID_FIELD, "withdraw goes with NOTIFY_KIND_ABORTED", {"field": "withdraw"})
             self._release(lease, LeaseState.ABORTED, announce=False)
             return lease.state, []
         if kind is NotifyKind.HEARTBEAT:
@@ -393,7 +394,7 @@ class LeaseTable:
         assert claim is not None and lease.tracker is not None  # CONSUMED needs a claim (checked above)
         bad = sorted(set(d_ranks) - claim.d_ranks)
         if bad:
-            raise InvalidArgument("RANK_NOT_CLAIMED", f"done_ranks {bad[:8]} are not ranks this claim holds",
+            raise InvalidArgument(Reason.RANK_NOT_CLAIMED, f"done_ranks {bad[:8]} are not ranks this claim holds",
                                   {"ranks": ",".join(map(str, bad[:8]))})
         lease.tracker.notify(d_ranks)
         if lease.tracker.done:
@@ -402,10 +403,10 @@ class LeaseTable:
 
     def _check_unclaimed_access(self, lease: Lease, kind: NotifyKind, token: str) -> None:
         if lease.claims:
-            raise PermissionDenied("LEASE_NOT_OWNER", f"request {lease.request_id!r} is claimed; only its claimant "
+            raise PermissionDenied(Reason.LEASE_NOT_OWNER, f"request {lease.request_id!r} is claimed; only its claimant "
                                    "(claim_id) may notify", {"request_id": lease.request_id})
         if kind is NotifyKind.CONSUMED:
-            raise FailedPrecondition("LEASE_NOT_CLAIMED", f"request {lease.request_id!r} was never claimed: claim "
+            raise FailedPrecondition(Reason.LEASE_NOT_CLAIMED, f"request {lease.request_id!r} was never claimed: claim "
                                      "it before reading", {"request_id": lease.request_id})
         _check_token(lease, token)
 
@@ -462,7 +463,7 @@ class LeaseTable:
 
     def _live_lease(self, request_id: str, epoch: int) -> Lease:
         if epoch != self.epoch:
-            raise FailedPrecondition("LEASE_EXPIRED", f"lease epoch {epoch} is not this server's epoch {self.epoch} "
+            raise FailedPrecondition(Reason.LEASE_EXPIRED, f"lease epoch {epoch} is not this server's epoch {self.epoch} "
                                      "(the prefill server restarted); re-publish the request",
                                      {"request_id": request_id, "lease_epoch": epoch, "server_epoch": self.epoch})
         lease = self._live.get(request_id)
@@ -472,7 +473,7 @@ class LeaseTable:
         if lease is None:
             dead = self._dead.get(request_id)
             state = dead.state.value if dead else "unknown"
-            raise FailedPrecondition("LEASE_EXPIRED", f"request {request_id!r} holds no live lease ({state})",
+            raise FailedPrecondition(Reason.LEASE_EXPIRED, f"request {request_id!r} holds no live lease ({state})",
                                      {"request_id": request_id, "state": state})
         return lease
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsvc.errors import InvalidArgument
+from kvsvc.reasons import Reason
 
 
 def dcp_source_ranks(tp_rank: int, local_dcp: int, remote_tp: int, remote_dcp: int) -> list[int]:
@@ -71,21 +72,21 @@ def dcp_group(local_ids: np.ndarray, remote_ids: np.ndarray, *, num_tokens: int,
         total = int(remote_ids.size)  # a replicated remote lists every block of the request
     else:
         raise InvalidArgument(
-            "NUM_TOKENS_REQUIRED",
+            Reason.NUM_TOKENS_REQUIRED,
             f"the remote engine deals its blocks over {remote_dcp} DCP ranks: the request's length in tokens "
             "(TransferParams.remote_num_tokens, PublishBlocksRequest.num_tokens) must be given",
             {"remote_dcp_size": remote_dcp})
     remote_needed = -(-total // remote_dcp)
     if remote_ids.size < remote_needed:
         raise InvalidArgument(
-            "BLOCK_COUNT_MISMATCH",
+            Reason.BLOCK_COUNT_MISMATCH,
             f"group {group}: a request of {total} blocks needs {remote_needed} remote block ids per rank at DCP "
             f"{remote_dcp}, got {remote_ids.size}",
             {"group": group, "remote_blocks": int(remote_ids.size), "needed": remote_needed, "num_tokens": num_tokens})
     local_needed = -(-total // local_dcp)
     if local_ids.size > local_needed:
         raise InvalidArgument(
-            "BLOCK_COUNT_MISMATCH",
+            Reason.BLOCK_COUNT_MISMATCH,
             f"group {group}: {local_ids.size} local block ids but a request of {total} blocks fills only "
             f"{local_needed} per rank at DCP {local_dcp}",
             {"group": group, "local_blocks": int(local_ids.size), "needed": local_needed, "num_tokens": num_tokens})

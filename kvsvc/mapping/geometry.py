@@ -17,6 +17,7 @@ import numpy as np
 from kvsvc.errors import InvalidArgument
 from kvsvc.layout.regions import Region, RegionKind
 from kvsvc.mapping.tp_mapping import TPMapping
+from kvsvc.reasons import Reason
 
 I64 = np.int64
 
@@ -213,7 +214,7 @@ def check_block_ids(ids: np.ndarray, num_blocks: int, *, side: str, group: int) 
     bad = ids[(ids < 0) | (ids >= num_blocks)]
     if bad.size:
         raise InvalidArgument(
-            "BLOCK_OUT_OF_RANGE",
+            Reason.BLOCK_OUT_OF_RANGE,
             f"{side} block id {int(bad[0])} of group {group} is outside [0, {num_blocks})",
             {"side": side, "group": group, "block_id": int(bad[0]), "num_blocks": num_blocks,
              "num_bad": int(bad.size)},
@@ -221,7 +222,7 @@ def check_block_ids(ids: np.ndarray, num_blocks: int, *, side: str, group: int) 
     if side == "local" and ids.size > 1 and np.unique(ids).size != ids.size:
         uniq, counts = np.unique(ids, return_counts=True)
         raise InvalidArgument(
-            "DUPLICATE_BLOCK_ID",
+            Reason.DUPLICATE_BLOCK_ID,
             f"local block id {int(uniq[counts > 1][0])} of group {group} appears more than once",
             {"side": side, "group": group, "block_id": int(uniq[counts > 1][0])},
         )

@@ -28,6 +28,7 @@ from kvsvc.mapping.geometry import (
 )
 from kvsvc.mapping.topology import TransferTopology, handshake_target_ranks, tp_ratio
 from kvsvc.mapping.tp_mapping import TPMapping, compute_tp_mapping
+from kvsvc.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +169,7 @@ def trim_prefix(local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int, *, gr
     if ssm:
         if local_ids.size != remote_ids.size:
             raise InvalidArgument(
-                "BLOCK_COUNT_MISMATCH",
+                Reason.BLOCK_COUNT_MISMATCH,
                 f"SSM group {group} needs one local block per remote block: {local_ids.size} vs {remote_ids.size}",
                 {"group": group, "local_blocks": local_ids.size, "remote_blocks": remote_ids.size},
             )
@@ -176,7 +177,7 @@ def trim_prefix(local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int, *, gr
     needed = -(-remote_ids.size // ratio)
     if local_ids.size > needed:
         raise InvalidArgument(
-            "BLOCK_COUNT_MISMATCH",
+            Reason.BLOCK_COUNT_MISMATCH,
             f"group {group}: {local_ids.size} local blocks but the remote holds only {remote_ids.size} blocks "
             f"({needed} local blocks of {ratio} remote ones)",
             {"group": group, "local_blocks": local_ids.size, "remote_blocks": remote_ids.size, "block_ratio": ratio},
@@ -190,7 +191,7 @@ def _request_part(rids: np.ndarray, num_tokens: int, block_size: int, group: int
     needed = -(-num_tokens // block_size)
     if rids.size < needed:
         raise InvalidArgument(
-            "BLOCK_COUNT_MISMATCH",
+            Reason.BLOCK_COUNT_MISMATCH,
             f"group {group}: {num_tokens} tokens fill {needed} remote blocks of {block_size}, got {rids.size} ids",
             {"group": group, "remote_blocks": int(rids.size), "needed": needed, "num_tokens": num_tokens})
     return rids[:needed]
@@ -226,7 +227,7 @@ def prepare_blocks(
     for name, given in (("local", local_block_ids), ("remote", remote_block_ids)):
         if len(given) != ngroups:
             raise InvalidArgument(
-                "UNKNOWN_GROUP",
+                Reason.UNKNOWN_GROUP,
                 f"{name} block ids name {len(given)} groups but the layout has {ngroups}",
                 {"side": name, "given_groups": len(given), "layout_groups": ngroups},
             )

@@ -6,20 +6,21 @@ from dataclasses import dataclass
 
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.mapping.dcp import dcp_source_ranks
+from kvsvc.reasons import Reason
 
 
 def tp_ratio(local_tp_size: int, remote_tp_size: int) -> int:
     """L // R when L >= R, else -(R // L); TP_NOT_DIVISIBLE when neither divides."""
     lt, rt = local_tp_size, remote_tp_size
     if lt <= 0 or rt <= 0:
-        raise InvalidArgument("INVALID_TP_SIZE", f"TP sizes must be positive, got local {lt}, remote {rt}",
+        raise InvalidArgument(Reason.INVALID_TP_SIZE, f"TP sizes must be positive, got local {lt}, remote {rt}",
                               {"local_tp_size": lt, "remote_tp_size": rt})
     if lt >= rt and lt % rt == 0:
         return lt // rt
     if rt > lt and rt % lt == 0:
         return -(rt // lt)
     raise FailedPrecondition(
-        "TP_NOT_DIVISIBLE",
+        Reason.TP_NOT_DIVISIBLE,
         f"local TP {lt} and remote TP {rt} must divide one another (pick sizes like 1, 2, 4, 8)",
         {"local_tp_size": lt, "remote_tp_size": rt},
     )
@@ -57,7 +58,7 @@ class TransferTopology:
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
-            raise InvalidArgument("RANK_OUT_OF_RANGE", f"tp_rank {self.tp_rank} is outside TP size {self.tp_size}",
+            raise InvalidArgument(Reason.RANK_OUT_OF_RANGE, f"tp_rank {self.tp_rank} is outside TP size {self.tp_size}",
                                   {"tp_rank": self.tp_rank, "tp_size": self.tp_size})
 
     @property

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.layout.regions import Region
+from kvsvc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class ShmPool(Pool):
             self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(name=name, create=True,
                                                                                       size=size_bytes)
         except FileExistsError as e:
-            raise FailedPrecondition("POOL_EXISTS", f"shared memory {name} already exists", {"shm_name": name}) from e
+            raise FailedPrecondition(Reason.POOL_EXISTS, f"shared memory {name} already exists", {"shm_name": name}) from e
         self._array = np.frombuffer(self._shm.buf, dtype=np.uint8, count=size_bytes)  # type: ignore[arg-type]
         super().__init__(rank, size_bytes, int(self._array.ctypes.data))
         self.shm_name = name
@@ -86,7 +87,7 @@ class ShmPool(Pool):
         try:
             os.posix_fallocate(fd, 0, self.size_bytes)
         except OSError as e:
-            raise KvsvcError("POOL_NO_MEMORY", f"cannot back a {self.size_bytes}-byte pool in /dev/shm: "
+            raise KvsvcError(Reason.POOL_NO_MEMORY, f"cannot back a {self.size_bytes}-byte pool in /dev/shm: "
                              f"{os.strerror(e.errno or 0)}", {"shm_name": self.shm_name, "bytes": self.size_bytes},
                              code=ErrorCode.RESOURCE_EXHAUSTED) from e
         finally:
@@ -125,13 +126,13 @@ class CudaPool(Pool):
         if torch is None or not torch.cuda.is_available():
             why = "torch is not installed" if torch is None else (
                 "this torch is a CPU build" if not torch.backends.cuda.is_built() else "no CUDA device is visible")
-            raise FailedPrecondition("CUDA_UNAVAILABLE", f'memory = "vram" needs a CUDA device, and {why}; on a '
+            raise FailedPrecondition(Reason.CUDA_UNAVAILABLE, f'memory = "vram" needs a CUDA device, and {why}; on a '
                                      'machine without a GPU use memory = "dram" (--memory dram)',
                                      {"rank": rank, "device": device})
         if wrap:
             device %= max(1, torch.cuda.device_count())
         if not 0 <= device < torch.cuda.device_count():
-            raise FailedPrecondition("CUDA_UNAVAILABLE", f"CUDA device {device} of rank {rank} does not exist "
+            raise FailedPrecondition(Reason.CUDA_UNAVAILABLE, f"CUDA device {device} of rank {rank} does not exist "
                                      f"(this machine has {torch.cuda.device_count()})",
                                      {"rank": rank, "device": device})
         self._tensor: Any = torch.zeros(size_bytes, dtype=torch.uint8, device=f"cuda:{device}")
@@ -161,7 +162,7 @@ class ExternalPool(Pool):
             arr = np.asarray(buffer)
             nbytes, addr, cuda, contiguous, device = arr.nbytes, int(arr.ctypes.data), False, arr.flags.c_contiguous, 0
         if not contiguous or nbytes < size_bytes:
-            raise InvalidArgument("POOL_TOO_SMALL",
+            raise InvalidArgument(Reason.POOL_TOO_SMALL,
                                   f"rank {rank}: the engine buffer must be contiguous and hold {size_bytes} bytes "
                                   f"(has {nbytes})", {"rank": rank, "needed_bytes": size_bytes, "bytes": nbytes})
         super().__init__(rank, size_bytes, addr)
@@ -220,7 +221,7 @@ class RegionBuffersPool(Pool):
     def __init__(self, rank: int, regions: tuple[Region, ...], buffers: Any) -> None:
         buffers = list(buffers)
         if len(buffers) != len(regions):
-            raise InvalidArgument("POOL_MISMATCH", f"rank {rank}: {len(buffers)} buffers for {len(regions)} regions "
+            raise InvalidArgument(Reason.POOL_MISMATCH, f"rank {rank}: {len(buffers)} buffers for {len(regions)} regions "
                                   "(one per region, in region order)",
                                   {"rank": rank, "buffers": len(buffers), "regions": len(regions)})
         self._buffers = buffers
@@ -230,7 +231,7 @@ class RegionBuffersPool(Pool):
             addr, rows, stride, item, cuda, device = _buffer_facts(buf)
             if rows < r.num_blocks or (rows > 1 and stride != r.block_stride) or item < r.block_len:
                 raise InvalidArgument(
-                    "POOL_MISMATCH",
+                    Reason.POOL_MISMATCH,
                     f"rank {rank} region {r.index} ({r.layer_name} {r.kind.value}): the buffer must hold "
                     f"{r.num_blocks} contiguous blocks of {r.block_len} bytes every {r.block_stride} bytes; it has "
                     f"{rows} of {item} bytes every {stride}",
@@ -238,7 +239,7 @@ class RegionBuffersPool(Pool):
             self._addresses.append(addr)
             kinds.add((cuda, device))
         if len(kinds) > 1:
-            raise InvalidArgument("POOL_MISMATCH", f"rank {rank}: the region buffers sit on different devices",
+            raise InvalidArgument(Reason.POOL_MISMATCH, f"rank {rank}: the region buffers sit on different devices",
                                   {"rank": rank})
         (cuda, device), = kinds
         spans = sorted((a, a + r.extent) for a, r in zip(self._addresses, regions, strict=True))
@@ -277,7 +278,7 @@ def attach_shm(name: str, size_bytes: int) -> np.ndarray:
     try:
         return np.memmap(f"/dev/shm/{name.lstrip('/')}", dtype=np.uint8, mode="r+", shape=(size_bytes,))
     except FileNotFoundError as e:
-        raise FailedPrecondition("POOL_NOT_FOUND", f"shared memory {name} does not exist (server stopped?)",
+        raise FailedPrecondition(Reason.POOL_NOT_FOUND, f"shared memory {name} does not exist (server stopped?)",
                                  {"shm_name": name}) from e
 
 

@@ -22,6 +22,7 @@ import grpc
 
 from kvsvc.errors import PermissionDenied
 from kvsvc.limits import clip
+from kvsvc.reasons import Reason
 from kvsvc.service.node import Node
 
 
@@ -47,7 +48,7 @@ def is_engine(node: Node, names: Sequence[str]) -> bool:
 
 def require_engine(node: Node, names: Sequence[str], what: str) -> None:
     if not is_engine(node, names):
-        raise PermissionDenied("NOT_AN_ENGINE", f"only this server's engine may {what} (certificate names "
+        raise PermissionDenied(Reason.NOT_AN_ENGINE, f"only this server's engine may {what} (certificate names "
                                f"{clip(', '.join(names), 120) or 'none'}; allowed_engines: "
                                f"{', '.join(engine_names(node))})", {"what": what})
 
@@ -62,8 +63,8 @@ def require_peer(node: Node, engine_id: str, names: Sequence[str], what: str) ->
     if not allowed:
         return
     if engine_id not in allowed:
-        raise PermissionDenied("PEER_NOT_ALLOWED", f"engine {clip(engine_id, 64)!r} may not {what} here",
+        raise PermissionDenied(Reason.PEER_NOT_ALLOWED, f"engine {clip(engine_id, 64)!r} may not {what} here",
                                {"engine_id": engine_id})
     if mutual_tls(node) and engine_id not in names:
-        raise PermissionDenied("PEER_NOT_ALLOWED", f"engine {clip(engine_id, 64)!r} does not match its certificate "
+        raise PermissionDenied(Reason.PEER_NOT_ALLOWED, f"engine {clip(engine_id, 64)!r} does not match its certificate "
                                f"({clip(', '.join(names), 120) or 'none'})", {"engine_id": engine_id})

@@ -30,6 +30,7 @@ from kvsvc.limits import (
     too_big,
 )
 from kvsvc.logs import REQUEST_ID
+from kvsvc.reasons import Reason
 from kvsvc.service.legs import Leg, p_servers, servers_needed, settled
 from kvsvc.service.node import Node
 from kvsvc.service.peers import PeerCache, peer_client_options
@@ -51,7 +52,7 @@ MAX_DEADLINE_MARGIN_S = 1.0
 NO_DEADLINE_S = 600.0
 # Refusals of a pair that say the lease is not this P's to free: made by another run of
 # it (LEASE_EXPIRED after a restart) or held by another engine (UNKNOWN_ENGINE).
-NOT_OURS_TO_FREE = ("LEASE_EXPIRED", "UNKNOWN_ENGINE")
+NOT_OURS_TO_FREE = (Reason.LEASE_EXPIRED, Reason.UNKNOWN_ENGINE)
 
 
 def _record(recorded: list[Callable[[], None]]) -> None:
@@ -81,13 +82,13 @@ def _check_request(req: pb.TransferRequest) -> None:
     """Field checks and limits, before any work or any record is made."""
     p = req.params
     if not req.request_id:
-        raise bad_field("request_id", "must be set (the D-side request id; WaitTransfer asks by it)", "MISSING_FIELD")
+        raise bad_field("request_id", "must be set (the D-side request id; WaitTransfer asks by it)", Reason.MISSING_FIELD)
     check_id(req.request_id, "request_id")
     for name in ("remote_address", "remote_request_id"):
         if not getattr(p, name):
-            raise bad_field(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+            raise bad_field(f"params.{name}", "must be set (copy TransferParams from PublishBlocks)", Reason.MISSING_FIELD)
     if p.remote_epoch == 0:
-        raise bad_field("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", "MISSING_FIELD")
+        raise bad_field("params.remote_epoch", "must be set (copy TransferParams from PublishBlocks)", Reason.MISSING_FIELD)
     check_id(p.remote_address, "params.remote_address", MAX_ADDRESS_BYTES)
     for name in ("remote_engine_id", "remote_request_id", "lease_token"):
         check_id(getattr(p, name), f"params.{name}")
@@ -138,7 +139,7 @@ class Decoder:
         _check_request(req)
         allowed = node.config.allowed_peers
         if allowed and req.params.remote_engine_id not in allowed:
-            raise PermissionDenied("PEER_NOT_ALLOWED", f"this server may not read from engine "
+            raise PermissionDenied(Reason.PEER_NOT_ALLOWED, f"this server may not read from engine "
                                    f"{clip(req.params.remote_engine_id, 64)!r} (not in allowed_peers)",
                                    {"engine_id": req.params.remote_engine_id})
         deadline = _deadline(time_remaining_s)
@@ -181,7 +182,7 @@ class Decoder:
         node = self.node
         node.require_role(Role.DECODE, "WaitTransfer")
         if not req.request_id:
-            raise bad_field("request_id", "must be set (the D-side request id given to Transfer)", "MISSING_FIELD")
+            raise bad_field("request_id", "must be set (the D-side request id given to Transfer)", Reason.MISSING_FIELD)
         check_id(req.request_id, "request_id")
         if req.wait_ms > MAX_WAIT_MS:
             raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
@@ -212,7 +213,7 @@ class Decoder:
                 resp = await self._run(req, deadline, recorded)
             except BaseException as e:
                 reason = e.reason if isinstance(e, KvsvcError) else (
-                    "CANCELLED" if isinstance(e, asyncio.CancelledError) else "INTERNAL")
+                    Reason.CANCELLED if isinstance(e, asyncio.CancelledError) else Reason.INTERNAL)
                 self.node.metrics.transfer_failed(peer_engine, reason)
                 mark_error(span, e if isinstance(e, KvsvcError) else KvsvcError(reason, str(e)))
                 raise

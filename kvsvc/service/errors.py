@@ -16,6 +16,7 @@ from grpc_status import rpc_status
 
 from kvsvc.errors import DOMAIN, ErrorCode, InvalidArgument, KvsvcError
 from kvsvc.limits import METADATA_VALUE_CHARS, STATUS_MESSAGE_CHARS, clip
+from kvsvc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class Malformed:
     problem: str
 
     def error(self) -> InvalidArgument:
-        return InvalidArgument("MALFORMED_REQUEST", f"the request is not a valid {self.message_type} "
+        return InvalidArgument(Reason.MALFORMED_REQUEST, f"the request is not a valid {self.message_type} "
                                f"({self.size} bytes): {clip(self.problem, 200)}",
                                {"message_type": self.message_type, "size": self.size})
 
@@ -86,7 +87,7 @@ def rpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
             raise
         except Exception as e:  # a bug: answer INTERNAL, keep serving
             log.exception("%s crashed", method.__name__)
-            err = KvsvcError("INTERNAL", f"internal error in {method.__name__}: {type(e).__name__}: {e}")
+            err = KvsvcError(Reason.INTERNAL, f"internal error in {method.__name__}: {type(e).__name__}: {e}")
             await context.abort_with_status(rpc_status.to_status(to_status(err)))
         raise AssertionError("unreachable")
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvsvc.client.client import blocks_proto
-from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.errors import KvsvcError, Unreachable
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class InProcessTransfers:
         span, if any, is the current one)."""
         del traceparent
         if self._closed:
-            raise Unavailable("UNAVAILABLE", "the in-process carrier was closed")
+            raise Unreachable("the in-process carrier was closed")
         assert asyncio.get_running_loop() is self._loop, "call on the server's event loop"
         req = pb.TransferRequest(request_id=request_id, params=params,
                                  local_block_ids_per_group=blocks_proto(local_block_ids_per_group))

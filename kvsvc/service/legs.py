@@ -18,6 +18,7 @@ from kvsvc.codec import bad_field
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, lease_not_yet_made
 from kvsvc.limits import MAX_ADDRESS_BYTES, MAX_TP_SIZE, check_count, check_id
 from kvsvc.mapping.topology import handshake_target_ranks
+from kvsvc.reasons import Reason
 from kvsvc.service.peers import Peer
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -50,7 +51,7 @@ def p_servers(p: pb.TransferParams) -> list[ServerRef]:
     if not p.remote_servers:
         return [ServerRef(p.remote_address, p.remote_epoch, None)]
     if not p.remote_tp_size:
-        raise bad_field("params.remote_tp_size", "must be set when params.remote_servers is", "MISSING_FIELD")
+        raise bad_field("params.remote_tp_size", "must be set when params.remote_servers is", Reason.MISSING_FIELD)
     check_count(p.remote_servers, "params.remote_servers", MAX_TP_SIZE)
     out = []
     for i, s in enumerate(p.remote_servers):
@@ -58,7 +59,7 @@ def p_servers(p: pb.TransferParams) -> list[ServerRef]:
         if s.address == p.remote_address and s.epoch != p.remote_epoch:
             # Params edited by hand or stitched from two publishes: trust neither epoch.
             raise bad_field(f"params.remote_servers[{i}].epoch", f"{s.epoch} contradicts params.remote_epoch "
-                            f"{p.remote_epoch} for the same server", "PARAMS_INCONSISTENT")
+                            f"{p.remote_epoch} for the same server", Reason.PARAMS_INCONSISTENT)
         out.append(ServerRef(s.address, s.epoch, frozenset(s.ranks)))
     return out
 
@@ -82,7 +83,7 @@ def servers_needed(servers: Sequence[ServerRef], hosted: Sequence[int], d_tp: in
             out.append((s, d_ranks))
     missing = sorted(wanted - covered)
     if missing:
-        raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill ranks {missing[:8]} are on none of the servers the "
+        raise FailedPrecondition(Reason.PEER_RANKS_MISSING, f"prefill ranks {missing[:8]} are on none of the servers the "
                                  "params name", {"ranks": ",".join(map(str, missing[:8]))})
     return out
 
@@ -230,7 +231,7 @@ async def confirm_all(legs: list[Leg], own: Ownership, timeout_s: float) -> None
         for leg in legs))
     for leg, resp in zip(legs, answers, strict=True):
         if resp.state not in (pb.LEASE_STATE_CONSUMED, pb.LEASE_STATE_CLAIMED):
-            raise FailedPrecondition("LEASE_EXPIRED", f"the prefill server {leg.peer.address} released the blocks "
+            raise FailedPrecondition(Reason.LEASE_EXPIRED, f"the prefill server {leg.peer.address} released the blocks "
                                      f"({pb.LeaseState.Name(resp.state)}) before the reads were confirmed",
                                      {"request_id": own.params.remote_request_id,
                                       "state": pb.LeaseState.Name(resp.state), "address": leg.peer.address})

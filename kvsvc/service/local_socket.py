@@ -27,6 +27,7 @@ from typing import Any
 
 from kvsvc.client.framing import SOCKET_DIR_PREFIX, SOCKET_NAMES, split_frames
 from kvsvc.errors import ErrorCode, KvsvcError
+from kvsvc.reasons import Reason
 from kvsvc.tempdirs import temp_root
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class FramedConnection(asyncio.Protocol):
         owner = self.owner
         if len(owner.conns) >= MAX_CONNECTIONS:
             log.warning("%s: %d connections open, refusing another", owner.name, len(owner.conns))
-            full = KvsvcError("SOCKET_FULL", f"{len(owner.conns)} connections are open on this server's {owner.name}, "
+            full = KvsvcError(Reason.SOCKET_FULL, f"{len(owner.conns)} connections are open on this server's {owner.name}, "
                               "the most it takes: use gRPC", {"connections": len(owner.conns)},
                               code=ErrorCode.RESOURCE_EXHAUSTED)
             transport.write(self.refusal(full))  # type: ignore[attr-defined]  # its client falls back to gRPC, nothing was read

@@ -15,12 +15,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvsvc.reasons import Reason
+
 log = logging.getLogger(__name__)
 
 # 0.1 ms to 60 s: a 1-block READ on shared memory to a long request over a busy link.
 SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # What makes a failed transfer a NIXL error (the data plane failed, not a lease or input).
-NIXL_REASONS = frozenset({"NIXL_ERROR", "TRANSFER_FAILED", "DATA_PLANE_UNAVAILABLE"})
+NIXL_REASONS = frozenset({Reason.NIXL_ERROR, Reason.TRANSFER_FAILED, Reason.DATA_PLANE_UNAVAILABLE})
 # Label values come from requests (engine ids in params, reasons in peers' answers): past
 # this many distinct values per label the rest count as "other", so no caller can grow
 # the registry without bound.

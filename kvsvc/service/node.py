@@ -18,6 +18,7 @@ from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
 from kvsvc.memory.pools import CudaPool, ExternalPool, MemoryKind, Pool, RegionBuffersPool, ShmPool, shm_name_for
+from kvsvc.reasons import Reason
 from kvsvc.service.metrics import Metrics
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.transport.ports import DataPlane
@@ -145,14 +146,14 @@ class Node:
 
     def require_role(self, role: Role, what: str) -> None:
         if self.config.role not in (role, Role.BOTH):
-            raise FailedPrecondition("WRONG_ROLE", f"{what} needs a {role.value} server; this one is "
+            raise FailedPrecondition(Reason.WRONG_ROLE, f"{what} needs a {role.value} server; this one is "
                                      f"{self.config.role.value}", {"role": self.config.role.value})
 
     def require_data_plane(self, what: str) -> DataPlane:
         if self.data is None:
-            raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: {self.data_error}")
+            raise Unavailable(Reason.DATA_PLANE_UNAVAILABLE, f"{what} needs the data plane: {self.data_error}")
         if not self.data.alive:
-            raise Unavailable("DATA_PLANE_UNAVAILABLE", f"{what} needs the data plane: it stopped (the NIXL thread ended)")
+            raise Unavailable(Reason.DATA_PLANE_UNAVAILABLE, f"{what} needs the data plane: it stopped (the NIXL thread ended)")
         return self.data
 
     def check_ranks(self, ranks: Sequence[int], field: str) -> tuple[int, ...]:
@@ -162,7 +163,7 @@ class Node:
         missing = [r for r in ranks if r not in self.hosted_ranks]
         if missing:
             raise InvalidArgument(
-                "RANK_NOT_HOSTED", f"{field}: ranks {missing} are not hosted here (hosted: {list(self.hosted_ranks)})",
+                Reason.RANK_NOT_HOSTED, f"{field}: ranks {missing} are not hosted here (hosted: {list(self.hosted_ranks)})",
                 {"ranks": ",".join(map(str, missing)), "hosted_ranks": ",".join(map(str, self.hosted_ranks))},
             )
         return tuple(dict.fromkeys(ranks))

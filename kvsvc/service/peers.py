@@ -15,11 +15,12 @@ import numpy as np
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.lease_channel import LeaseChannel
 from kvsvc.codec import layout_from_proto, layout_to_proto
-from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable
+from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable, Unreachable
 from kvsvc.limits import check_tp_size
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import handshake_target_ranks
 from kvsvc.memory.pools import MemoryKind
+from kvsvc.reasons import Reason
 from kvsvc.service.node import Node
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -139,7 +140,7 @@ class PeerCache:
                     self._node.metrics.handshake(peer.engine_id, ok=True)
                     self._peers[address] = peer
                 if expected_engine_id and peer.engine_id != expected_engine_id:
-                    raise FailedPrecondition("UNKNOWN_ENGINE", f"{address} hosts engine {peer.engine_id!r}, not "
+                    raise FailedPrecondition(Reason.UNKNOWN_ENGINE, f"{address} hosts engine {peer.engine_id!r}, not "
                                              f"{expected_engine_id!r}", {"address": address,
                                                                          "engine_id": peer.engine_id})
                 if peer.epoch != want_epoch:
@@ -170,7 +171,7 @@ class PeerCache:
     @staticmethod
     def _stale_error(address: str, epoch: int, peer: Peer | None) -> KvsvcError:
         now = peer.epoch if peer is not None else 0
-        return FailedPrecondition("LEASE_EXPIRED", f"the lease was made by an earlier run of {address} (epoch "
+        return FailedPrecondition(Reason.LEASE_EXPIRED, f"the lease was made by an earlier run of {address} (epoch "
                                   f"{epoch}, now {now}): the prefill server restarted",
                                   {"lease_epoch": epoch, "server_epoch": now, "address": address})
 
@@ -214,7 +215,7 @@ class PeerCache:
                 info = await client.get_info()
         except KvsvcError as e:
             if e.code is ErrorCode.UNAVAILABLE:
-                raise Unavailable("PEER_UNAVAILABLE", f"server {address} is unreachable: {e.message}",
+                raise Unavailable(Reason.PEER_UNAVAILABLE, f"server {address} is unreachable: {e.message}",
                                   {"address": address}) from e
             raise
         return Side.of(layout_from_proto(info.layout, "remote.layout", info.tp_size), info.tp_size)
@@ -250,12 +251,12 @@ class PeerCache:
                 # most often P going away; say so when P no longer answers.
                 await asyncio.shield(data.forget({r.agent_name for r in ranks.values()}))
                 if isinstance(e, KvsvcError) and not await self._epoch_of(client):
-                    raise Unavailable("UNAVAILABLE", f"lost {address} while connecting: {e.message}") from e
+                    raise Unreachable(f"lost {address} while connecting: {e.message}") from e
                 raise
         except KvsvcError as e:
             await client.close()
             if e.code is ErrorCode.UNAVAILABLE:
-                raise Unavailable("PEER_UNAVAILABLE", f"prefill server {address} is unreachable: {e.message}",
+                raise Unavailable(Reason.PEER_UNAVAILABLE, f"prefill server {address} is unreachable: {e.message}",
                                   {"address": address}) from e
             raise
         except BaseException:

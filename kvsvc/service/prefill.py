@@ -29,6 +29,7 @@ from kvsvc.mapping.dcp import request_blocks
 from kvsvc.mapping.geometry import check_block_ids
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
+from kvsvc.reasons import Reason
 from kvsvc.service.auth import require_engine, require_peer
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
@@ -54,32 +55,32 @@ def handshake(node: Node, req: pb.HandshakeRequest, peer_names: Sequence[str] = 
     node.require_role(Role.PREFILL, "Handshake")
     data = node.require_data_plane("Handshake")
     if not req.engine_id:
-        raise bad_field("engine_id", "must be set", "MISSING_FIELD")
+        raise bad_field("engine_id", "must be set", Reason.MISSING_FIELD)
     check_id(req.engine_id, "engine_id")
     check_id(req.expected_engine_id, "expected_engine_id")
     require_peer(node, req.engine_id, peer_names, "handshake")
     if req.tp_size == 0:
-        raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
+        raise bad_field("tp_size", "must be positive", Reason.MISSING_FIELD)
     check_tp_size(req.tp_size, "tp_size")
     check_count(req.ranks, "ranks", node.config.tp_size)
     if req.expected_engine_id and req.expected_engine_id != node.config.engine_id:
-        raise FailedPrecondition("UNKNOWN_ENGINE", f"this server hosts engine {node.config.engine_id!r}, not "
+        raise FailedPrecondition(Reason.UNKNOWN_ENGINE, f"this server hosts engine {node.config.engine_id!r}, not "
                                  f"{req.expected_engine_id!r}; check the address the router handed out",
                                  {"expected_engine_id": req.expected_engine_id, "engine_id": node.config.engine_id})
     tp_ratio(req.tp_size, node.config.tp_size)
     if not req.HasField("layout"):
-        raise bad_field("layout", "must be set", "MISSING_FIELD")
+        raise bad_field("layout", "must be set", Reason.MISSING_FIELD)
     peer_layout = layout_from_proto(req.layout, "layout", req.tp_size)
     computed = compatibility_hash(peer_layout)
     if req.layout_hash and req.layout_hash != computed:
-        raise InvalidArgument("LAYOUT_HASH_MISMATCH", f"layout_hash {req.layout_hash} does not match the layout "
+        raise InvalidArgument(Reason.LAYOUT_HASH_MISMATCH, f"layout_hash {req.layout_hash} does not match the layout "
                               f"sent ({computed}): kvsvc versions differ?",
                               {"layout_hash": req.layout_hash, "computed": computed})
     validate_pair(Side.of(peer_layout, req.tp_size), node.side)
     ranks = list(req.ranks) or list(node.hosted_ranks)
     missing = [r for r in ranks if r not in node.hosted_ranks]
     if missing:
-        raise FailedPrecondition("PEER_RANKS_MISSING", f"ranks {missing} are not hosted by this server (hosted: "
+        raise FailedPrecondition(Reason.PEER_RANKS_MISSING, f"ranks {missing} are not hosted by this server (hosted: "
                                  f"{list(node.hosted_ranks)}); ask the server of the node that hosts them",
                                  {"ranks": ",".join(map(str, missing))})
     # The reader wires up its UCX endpoints right after this answer; a target that does
@@ -129,7 +130,7 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     check_block_lists([g.block_ids for g in req.block_ids_per_group], "block_ids_per_group")
     groups = [list(g.block_ids) for g in req.block_ids_per_group]
     if len(groups) != len(node.layout.groups):
-        raise InvalidArgument("UNKNOWN_GROUP", f"block ids name {len(groups)} groups but the layout has "
+        raise InvalidArgument(Reason.UNKNOWN_GROUP, f"block ids name {len(groups)} groups but the layout has "
                               f"{len(node.layout.groups)}", {"given_groups": len(groups),
                                                              "layout_groups": len(node.layout.groups)})
     for g, ids in enumerate(groups):
@@ -147,14 +148,14 @@ def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> N
     if not num_tokens:
         if dcp > 1:
             raise bad_field("num_tokens", f"must be set: this engine deals each request's blocks over {dcp} DCP "
-                            "ranks, and D needs to know where the real ones end", "NUM_TOKENS_REQUIRED")
+                            "ranks, and D needs to know where the real ones end", Reason.NUM_TOKENS_REQUIRED)
         return
     needed = -(-request_blocks(num_tokens, node.layout.block_size) // dcp)
     for g, (group, ids) in enumerate(zip(node.layout.groups, groups, strict=True)):
         if group.family is not SpecFamily.SSM and not issubclass(group.spec_type, SlidingWindowSpec) and \
                 len(ids) < needed:  # a sliding-window group may list only its window
             raise InvalidArgument(
-                "BLOCK_COUNT_MISMATCH", f"group {g}: {num_tokens} tokens need {needed} block ids per rank (block size "
+                Reason.BLOCK_COUNT_MISMATCH, f"group {g}: {num_tokens} tokens need {needed} block ids per rank (block size "
                 f"{node.layout.block_size}, DCP {dcp}), got {len(ids)}",
                 {"group": g, "block_ids": len(ids), "needed": needed, "num_tokens": num_tokens})
 
@@ -164,17 +165,17 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
     require_peer(node, req.engine_id, peer_names, "claim leases")
     _check_lease_ids(req)
     if req.tp_size == 0:
-        raise bad_field("tp_size", "must be positive", "MISSING_FIELD")
+        raise bad_field("tp_size", "must be positive", Reason.MISSING_FIELD)
     check_tp_size(req.tp_size, "tp_size")
     check_count(req.ranks, "ranks", req.tp_size)
     if len(req.claim_id.encode()) < MIN_CLAIM_ID_BYTES:
         raise bad_field("claim_id", f"must be a fresh secret of at least {MIN_CLAIM_ID_BYTES} characters",
-                        "MISSING_FIELD")
+                        Reason.MISSING_FIELD)
     if len(req.blocks_digest) > MAX_DIGEST_BYTES:
         raise too_big("blocks_digest", len(req.blocks_digest), MAX_DIGEST_BYTES, "bytes")
     d_dcp = req.dcp_size or 1
     if d_dcp not in (1, req.tp_size):
-        raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", "INVALID_DCP_SIZE")
+        raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", Reason.INVALID_DCP_SIZE)
     lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
                                      d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
                                      extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed,
@@ -188,9 +189,9 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
 
 def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:
     if not req.request_id:
-        raise bad_field("request_id", "must be set (the P-side request id)", "MISSING_FIELD")
+        raise bad_field("request_id", "must be set (the P-side request id)", Reason.MISSING_FIELD)
     if not req.lease_epoch:
-        raise bad_field("lease_epoch", "must be set (TransferParams.remote_epoch)", "MISSING_FIELD")
+        raise bad_field("lease_epoch", "must be set (TransferParams.remote_epoch)", Reason.MISSING_FIELD)
     for name in ("request_id", "engine_id", "lease_token", "claim_id"):
         check_id(getattr(req, name), name)
 
@@ -203,7 +204,7 @@ def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) ->
         require_peer(node, req.engine_id, peer_names, "notify")
     _check_lease_ids(req)
     if req.kind not in NOTIFY_KINDS:
-        raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", "UNSPECIFIED_ENUM",
+        raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", Reason.UNSPECIFIED_ENUM,
                         value=req.kind)
     check_count(req.done_ranks, "done_ranks", MAX_TP_SIZE)
     state, pending = node.leases.notify(req.request_id, NOTIFY_KINDS[req.kind], list(req.done_ranks),
@@ -225,7 +226,7 @@ def release_to_proto(ev: Release) -> pb.WatchReleasesResponse:
 
 def watch_behind(e: SubscriberBehind) -> KvsvcError:
     """How a subscriber that fell behind is ended, with what to do about it."""
-    return KvsvcError("WATCH_BEHIND", "this WatchReleases stream was not read while its releases piled up "
+    return KvsvcError(Reason.WATCH_BEHIND, "this WatchReleases stream was not read while its releases piled up "
                       f"({e.held_bytes} bytes, limit {e.limit_bytes}); they were dropped. Subscribe again, and "
                       "once its headers came, reconcile: every request you published that ListLeases no longer "
                       "lists was released (free its blocks that no listed lease holds)",

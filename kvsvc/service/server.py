@@ -22,6 +22,7 @@ from kvsvc.discovery.etcd import EtcdClient
 from kvsvc.discovery.registry import Registration, ServerRecord
 from kvsvc.errors import FailedPrecondition
 from kvsvc.logs import as_json_line, json_lines
+from kvsvc.reasons import Reason
 from kvsvc.service.decode import Decoder
 from kvsvc.service.lease_socket import LeaseSocket
 from kvsvc.service.local_socket import LocalSocket
@@ -156,7 +157,7 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, creds: grpc.ServerCrede
     try:
         port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
     except RuntimeError as e:  # grpc reports a failed bind this way
-        raise FailedPrecondition("ADDRESS_IN_USE", f"cannot listen on {config.listen}: {e}; is another server "
+        raise FailedPrecondition(Reason.ADDRESS_IN_USE, f"cannot listen on {config.listen}: {e}; is another server "
                                  "running there?", {"listen": config.listen}) from e
     return config.listen.rsplit(":", 1)[0], port
 
@@ -197,7 +198,7 @@ async def _start_outside_links(running: RunningServer) -> None:
             running.metrics_address = node.metrics.serve(config.metrics_listen)
         except OSError as e:
             await running.stop(0, drain_s=0)
-            raise FailedPrecondition("ADDRESS_IN_USE", f"cannot serve metrics on {config.metrics_listen}: {e}",
+            raise FailedPrecondition(Reason.ADDRESS_IN_USE, f"cannot serve metrics on {config.metrics_listen}: {e}",
                                      {"metrics_listen": config.metrics_listen}) from e
     if config.etcd_endpoints:
         try:

@@ -31,6 +31,7 @@ from kvsvc.limits import (
 from kvsvc.logs import REQUEST_ID
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
+from kvsvc.reasons import Reason
 from kvsvc.service import prefill
 from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
@@ -66,11 +67,11 @@ def _traced(call: str, request: Any, ctx: Context | None) -> Iterator[None]:
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
     if msg.tp_size == 0:
-        raise bad_field(f"{field}.tp_size", "must be positive", "MISSING_FIELD")
+        raise bad_field(f"{field}.tp_size", "must be positive", Reason.MISSING_FIELD)
     check_tp_size(msg.tp_size, f"{field}.tp_size")
     tp_ratio(local_tp_size, msg.tp_size)  # TP_NOT_DIVISIBLE before any per-rank head check
     if not msg.HasField("layout"):
-        raise bad_field(f"{field}.layout", "must be set", "MISSING_FIELD")
+        raise bad_field(f"{field}.layout", "must be set", Reason.MISSING_FIELD)
     return Side.of(layout_from_proto(msg.layout, f"{field}.layout", msg.tp_size), msg.tp_size)
 
 
@@ -110,7 +111,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             require_engine(self.node, caller_names(context), "plan by address (this server dials it)")
             remote = await self.decoder.peers.side_of(request.remote_address)
         else:
-            raise bad_field("remote", "set inline_remote (layout + tp_size) or remote_address", "MISSING_FIELD")
+            raise bad_field("remote", "set inline_remote (layout + tp_size) or remote_address", Reason.MISSING_FIELD)
         ranks = self.node.check_ranks(request.local_ranks, "local_ranks")
         plans = self.node.plan(
             remote, block_ids_from_proto(request.local_block_ids_per_group),
@@ -147,7 +148,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         """Transfers as messages (service/transfer_stream.py); a transfer's error is its answer."""
         try:
             if self._streams_closed:
-                raise Unavailable("SHUTTING_DOWN", "this server is shutting down and opens no TransferStream")
+                raise Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down and opens no TransferStream")
             self.node.require_role(Role.DECODE, "TransferStream")
             require_engine(self.node, caller_names(context), "run transfers")
         except KvsvcError as e:
@@ -166,7 +167,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         finally:
             self._transfer_streams.discard(session)
         if session.closing:
-            err = Unavailable("SHUTTING_DOWN", "this server is shutting down; open a new TransferStream elsewhere")
+            err = Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down; open a new TransferStream elsewhere")
             await context.abort_with_status(rpc_status.to_status(to_status(err)))
 
     def close_transfer_streams(self) -> None:
@@ -194,7 +195,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         """ClaimLease and Notify calls, a message of them at a time, answered in order; a call's
         error is that call's answer and the stream goes on."""
         if self._channels_closed:
-            err = Unavailable("SHUTTING_DOWN", "this server is shutting down and opens no LeaseChannel")
+            err = Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down and opens no LeaseChannel")
             await context.abort_with_status(rpc_status.to_status(to_status(err)))
         names = caller_names(context)
         task = asyncio.current_task()
@@ -226,13 +227,13 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                 return pb.LeaseAnswer(call_id=call.call_id, claim=prefill.claim(self.node, call.claim, names))
             if which == "notify":
                 return pb.LeaseAnswer(call_id=call.call_id, notify=prefill.notify(self.node, call.notify, names))
-            raise bad_field("calls.call", "set claim or notify", "MISSING_FIELD")
+            raise bad_field("calls.call", "set claim or notify", Reason.MISSING_FIELD)
         except KvsvcError as e:
             log.info("LeaseChannel %s failed: %s", which, clip(str(e), 300))
             err = e
         except Exception as e:  # a bug: answer INTERNAL for this call, keep the stream
             log.exception("LeaseChannel %s crashed", which)
-            err = KvsvcError("INTERNAL", f"internal error in LeaseChannel {which}: {type(e).__name__}: {e}")
+            err = KvsvcError(Reason.INTERNAL, f"internal error in LeaseChannel {which}: {type(e).__name__}: {e}")
         return pb.LeaseAnswer(call_id=call.call_id, error_status=to_status(err).SerializeToString())
 
     @rpc_errors
@@ -246,7 +247,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         any more). The status is sent from here: a handler waiting for its next message does
         not end the call by being cancelled, and the server would wait out its grace period."""
         self._channels_closed = True
-        status = rpc_status.to_status(to_status(Unavailable("SHUTTING_DOWN", "this server is shutting down")))
+        status = rpc_status.to_status(to_status(Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down")))
         for task, context in list(self._lease_channels.items()):
             with contextlib.suppress(Exception):  # AbortError, or a call that already ended
                 await context.abort_with_status(status)

@@ -16,7 +16,8 @@ import asyncio
 import logging
 
 from kvsvc.client import AsyncClient
-from kvsvc.errors import KvsvcError, Unavailable
+from kvsvc.errors import ErrorCode, KvsvcError, Unavailable
+from kvsvc.reasons import Reason
 from kvsvc.service.node import Node
 from kvsvc.service.peers import peer_client_options
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -58,9 +59,9 @@ class Siblings:
         if failed is not None:
             await self.abort(req.request_id, token, servers)
             address, err = failed
-            if isinstance(err, KvsvcError) and err.code.value != "UNAVAILABLE":
+            if isinstance(err, KvsvcError) and err.code is not ErrorCode.UNAVAILABLE:
                 raise err
-            raise Unavailable("SIBLING_UNAVAILABLE", f"sibling server {address} of this engine could not lease "
+            raise Unavailable(Reason.SIBLING_UNAVAILABLE, f"sibling server {address} of this engine could not lease "
                               f"{req.request_id!r}: {err}", {"address": address}) from err
         return servers
 

@@ -19,6 +19,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from kvsvc.reasons import Reason
+
 tracer = trace.get_tracer("kvsvc")
 
 
@@ -103,7 +105,7 @@ def install_otlp(endpoint: str, service_name: str) -> None:
     except ImportError as e:
         from kvsvc.errors import FailedPrecondition
 
-        raise FailedPrecondition("OTLP_UNAVAILABLE", "otlp_endpoint is set but the OTLP exporter is not installed: "
+        raise FailedPrecondition(Reason.OTLP_UNAVAILABLE, "otlp_endpoint is set but the OTLP exporter is not installed: "
                                  "pip install 'kvsvc[otlp]' (opentelemetry-exporter-otlp-proto-grpc)") from e
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider

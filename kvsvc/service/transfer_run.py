@@ -36,15 +36,16 @@ from opentelemetry import trace
 from kvsvc.codec import block_ids_from_proto
 from kvsvc.errors import (
     DeadlineExceeded,
-    ErrorCode,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     KvsvcError,
     Unavailable,
+    Unreachable,
 )
 from kvsvc.leases.table import blocks_digest
 from kvsvc.mapping.planner import RankPlan
+from kvsvc.reasons import Reason
 from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_all, confirm_all, heartbeat
 from kvsvc.service.node import Node
 from kvsvc.service.peers import RemoteRank
@@ -68,7 +69,7 @@ ABORT_TIMEOUT_S = 2.0
 # How long P's answers are waited for when the READs settled after the answer was due.
 LATE_ANSWER_WAIT_S = 0.2
 # How a failed READ is reported (the data plane's post errors and _all_read's).
-READ_FAILURES = ("TRANSFER_FAILED", "NIXL_ERROR")
+READ_FAILURES = (Reason.TRANSFER_FAILED, Reason.NIXL_ERROR)
 # READs still running this long after they were posted claim the lease before they end;
 # shorter ones claim it and report it consumed in one message.
 EARLY_CLAIM_S = 0.01
@@ -112,12 +113,12 @@ class TransferRun:
         side = self.legs[0].peer.side
         for leg in self.legs:
             if (p.remote_tp_size and p.remote_tp_size != leg.peer.tp_size) or leg.peer.side != side:
-                raise InvalidArgument("TP_MISMATCH", f"params say remote TP {p.remote_tp_size} but "
+                raise InvalidArgument(Reason.TP_MISMATCH, f"params say remote TP {p.remote_tp_size} but "
                                       f"{leg.peer.address} runs TP {leg.peer.tp_size} (or another layout)",
                                       {"params_tp_size": p.remote_tp_size, "remote_tp_size": leg.peer.tp_size})
         if (p.remote_dcp_size or 1) != side.layout.dcp_size:
             # The servers to claim at were chosen by the params' DCP size: a wrong one misses ranks.
-            raise InvalidArgument("DCP_MISMATCH", f"params say remote DCP {p.remote_dcp_size or 1} but the prefill "
+            raise InvalidArgument(Reason.DCP_MISMATCH, f"params say remote DCP {p.remote_dcp_size or 1} but the prefill "
                                   f"engine runs DCP {side.layout.dcp_size}",
                                   {"params_dcp_size": p.remote_dcp_size, "remote_dcp_size": side.layout.dcp_size})
         local_ids = block_ids_from_proto(self.req.local_block_ids_per_group)
@@ -192,7 +193,7 @@ class TransferRun:
             async with asyncio.timeout(self._left()):
                 await both
         except TimeoutError as e:
-            raise DeadlineExceeded("DEADLINE_EXCEEDED", "the reads did not finish before the deadline",
+            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
                                    {"request_id": self.req.request_id}) from e
         finally:
             if both.done() and not both.cancelled():
@@ -208,7 +209,7 @@ class TransferRun:
                                                    time.perf_counter() - sent))
             return
         if any(leg.clock is not None and leg.clock.expired for leg in self.legs):
-            raise FailedPrecondition("LEASE_EXPIRED", "the reads finished after the lease ran out",
+            raise FailedPrecondition(Reason.LEASE_EXPIRED, "the reads finished after the lease ran out",
                                      {"request_id": self.p.remote_request_id})
         await confirm_all(self.legs, self.own, self.rpc_timeout())
         self.recorded.append(functools.partial(self.node.metrics.lease_call, "confirm", time.perf_counter() - sent))
@@ -332,11 +333,11 @@ class TransferRun:
     def _final_error(self, err: BaseException, notified: bool, gone: list[str]) -> BaseException:
         failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
         final: BaseException = err
-        p_unreachable = isinstance(err, KvsvcError) and err.code is ErrorCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
+        p_unreachable = isinstance(err, Unreachable)
         read_failed = isinstance(err, KvsvcError) and err.reason in READ_FAILURES
         if p_unreachable or (read_failed and gone):
             address = gone[0] if gone else self.legs[0].peer.address
-            final = Unavailable("PEER_UNAVAILABLE", f"prefill server {address} stopped answering: {err}",
+            final = Unavailable(Reason.PEER_UNAVAILABLE, f"prefill server {address} stopped answering: {err}",
                                 {"address": address})
         if isinstance(final, KvsvcError):
             final.details = (*final.details, failure)
@@ -369,7 +370,7 @@ def _addresses(node: Node, ranks: dict[int, RemoteRank],
             continue
         rr = ranks.get(reads.remote_rank)
         if rr is None:
-            raise FailedPrecondition("PEER_RANKS_MISSING", f"prefill rank {reads.remote_rank} was not in the "
+            raise FailedPrecondition(Reason.PEER_RANKS_MISSING, f"prefill rank {reads.remote_rank} was not in the "
                                      "handshake", {"rank": reads.remote_rank})
         out.append((rr, local_base[reads.local_region] + reads.local_offset,
                     rr.bases[reads.remote_region] + reads.remote_offset, reads.length))
@@ -388,7 +389,7 @@ async def _all_read(posted: list[Posted]) -> None:
     try:
         await asyncio.gather(*(x.flight.result for x in posted))
     except TransferError as e:
-        raise Internal("TRANSFER_FAILED", f"a READ failed: {e}") from e
+        raise Internal(Reason.TRANSFER_FAILED, f"a READ failed: {e}") from e
 
 
 def _check_read(posted: list[Posted]) -> None:
@@ -396,7 +397,7 @@ def _check_read(posted: list[Posted]) -> None:
     for x in posted:
         error = x.flight.result.exception()
         if error is not None:
-            raise Internal("TRANSFER_FAILED", f"a READ failed: {error}") from error
+            raise Internal(Reason.TRANSFER_FAILED, f"a READ failed: {error}") from error
 
 
 async def _settle_post(post: asyncio.Future[list[Flight]]) -> bool:

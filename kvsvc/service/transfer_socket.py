@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from kvsvc.client.framing import TRANSFER_SOCKET_NAME, frame
 from kvsvc.errors import InvalidArgument, KvsvcError, Unavailable
 from kvsvc.limits import MAX_STREAM_CALLS, clip
+from kvsvc.reasons import Reason
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import to_status
 from kvsvc.service.local_socket import FramedConnection, LocalSocket
@@ -112,7 +113,7 @@ class _SocketSession(TransferStreamSession):
 
     def _changed(self) -> None:
         if self.closing and self.idle and not self._flush_due:
-            self._conn.end(Unavailable("SHUTTING_DOWN", "this server is shutting down; open a new TransferStream "
+            self._conn.end(Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down; open a new TransferStream "
                                        "elsewhere"))
         elif self.closing and self.idle:
             self._loop.call_soon(self._changed)  # after the last answers went out
@@ -158,7 +159,7 @@ class _Connection(FramedConnection):
                 msg = pb.TransferStreamRequest.FromString(body)
             except DecodeError as e:
                 return self.end(InvalidArgument(
-                    "MALFORMED_REQUEST", f"the request is not a valid kvsvc.v1.TransferStreamRequest ({len(body)} "
+                    Reason.MALFORMED_REQUEST, f"the request is not a valid kvsvc.v1.TransferStreamRequest ({len(body)} "
                     f"bytes): {clip(str(e), 200)}", {"message_type": "kvsvc.v1.TransferStreamRequest",
                                                      "size": len(body)}))
             try:
@@ -179,7 +180,7 @@ class _Connection(FramedConnection):
         """End the stream with error (said in a last frame) and close the socket."""
         if self._ended:
             return
-        if error.reason != "SHUTTING_DOWN":
+        if error.reason != Reason.SHUTTING_DOWN:
             log.info("TransferStream on the transfer socket ended: %s", clip(str(error), 300))
         self.session.flush()
         self.send(pb.TransferStreamResponse(stream_error=to_status(error).SerializeToString()))

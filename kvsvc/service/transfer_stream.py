@@ -29,6 +29,7 @@ from typing import Any
 
 from kvsvc.errors import ErrorCode, KvsvcError, Unavailable
 from kvsvc.limits import MAX_STREAM_CALLS, MAX_STREAM_TRANSFERS, check_count, clip
+from kvsvc.reasons import Reason
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, to_status
 from kvsvc.service.tracing import context_from_traceparent
@@ -136,14 +137,14 @@ class TransferStreamSession:
         request_id = call.request.request_id
         if self.closing:
             return self._answer(_error_answer(request_id, Unavailable(
-                "SHUTTING_DOWN", "this server is shutting down and starts no transfer")))
+                Reason.SHUTTING_DOWN, "this server is shutting down and starts no transfer")))
         if request_id in self._running:
             return self._answer(_error_answer(request_id, KvsvcError(
-                "TRANSFER_ON_STREAM", f"request {clip(request_id, 64)!r} is already running on this stream; "
+                Reason.TRANSFER_ON_STREAM, f"request {clip(request_id, 64)!r} is already running on this stream; "
                 "wait for its answer", {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)))
         if len(self._running) >= MAX_STREAM_TRANSFERS:
             return self._answer(_error_answer(request_id, KvsvcError(
-                "TOO_MANY_TRANSFERS", f"{len(self._running)} transfers already run on this stream (the limit)",
+                Reason.TOO_MANY_TRANSFERS, f"{len(self._running)} transfers already run on this stream (the limit)",
                 {"limit": MAX_STREAM_TRANSFERS}, code=ErrorCode.RESOURCE_EXHAUSTED)))
         try:
             trace_ctx = context_from_traceparent(call.traceparent) if call.traceparent else None
@@ -176,7 +177,7 @@ class TransferStreamSession:
         except Exception as e:  # a bug: answer INTERNAL for this transfer, keep the stream
             log.error("TransferStream transfer %s crashed", clip(request_id, 64), exc_info=e)
             answer = _error_answer(request_id, KvsvcError(
-                "INTERNAL", f"internal error in TransferStream: {type(e).__name__}: {e}"))
+                Reason.INTERNAL, f"internal error in TransferStream: {type(e).__name__}: {e}"))
         self._answer(answer)
 
     def _give_up(self, request_id: str) -> None:
@@ -196,7 +197,7 @@ class TransferStreamSession:
     async def _answer_given_up(self, request_id: str) -> None:
         settled = await self._decoder.given_up(request_id)
         self._answer(_error_answer(request_id, KvsvcError(
-            "TRANSFER_CANCELLED", f"request {clip(request_id, 64)!r} was given up on this stream" + (
+            Reason.TRANSFER_CANCELLED, f"request {clip(request_id, 64)!r} was given up on this stream" + (
                 "" if settled else "; another caller still waits for it (WaitTransfer tells when it settled)"),
             {"request_id": request_id}, code=ErrorCode.CANCELLED,
             details=[pb.TransferFailure()] if settled else [])))
@@ -213,7 +214,7 @@ class TransferStreamSession:
             # The caller sends but does not read (the answer being written waits on its flow
             # control): take nothing more from it, and end the stream once it moves again.
             self._overflow = KvsvcError(
-                "ANSWERS_UNREAD", f"{len(self._answers)} answers wait for this stream's caller, who does not read "
+                Reason.ANSWERS_UNREAD, f"{len(self._answers)} answers wait for this stream's caller, who does not read "
                 "them; the stream ends", {"limit": MAX_UNREAD_ANSWERS}, code=ErrorCode.RESOURCE_EXHAUSTED)
             self._answers.clear()
             if self._reader is not None:

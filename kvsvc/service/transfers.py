@@ -24,6 +24,7 @@ from typing import Any
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError
 from kvsvc.limits import clip
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -70,21 +71,21 @@ class FailedOutcome:
     @classmethod
     def of(cls, task: asyncio.Task[Any]) -> FailedOutcome:
         if task.cancelled():
-            return cls("TRANSFER_CANCELLED", "", ErrorCode.CANCELLED, (), pb.TransferFailure(), cancelled=True)
+            return cls(Reason.TRANSFER_CANCELLED, "", ErrorCode.CANCELLED, (), pb.TransferFailure(), cancelled=True)
         err = task.exception()
         failure = next((d for d in getattr(err, "details", ()) if isinstance(d, pb.TransferFailure)),
                        pb.TransferFailure())
         if isinstance(err, KvsvcError):
             meta = tuple((clip(k, 64), clip(v, 256)) for k, v in list(err.metadata.items())[:16])
             return cls(err.reason, clip(err.message, MAX_ERROR_MESSAGE), err.code, meta, failure, kind=type(err))
-        return cls("INTERNAL", clip(f"{type(err).__name__}: {err}", MAX_ERROR_MESSAGE), ErrorCode.INTERNAL, (),
+        return cls(Reason.INTERNAL, clip(f"{type(err).__name__}: {err}", MAX_ERROR_MESSAGE), ErrorCode.INTERNAL, (),
                    failure)
 
     def error(self, request_id: str) -> KvsvcError:
         """A new exception for this outcome (each answer raises its own: one raised twice would
         collect the tracebacks of both)."""
         if self.cancelled:
-            return KvsvcError("TRANSFER_CANCELLED", f"request {clip(request_id, 64)!r} was cancelled by an earlier "
+            return KvsvcError(Reason.TRANSFER_CANCELLED, f"request {clip(request_id, 64)!r} was cancelled by an earlier "
                               "caller; use a new request id to try again", {"request_id": request_id},
                               code=ErrorCode.CANCELLED, details=[pb.TransferFailure()])
         try:
@@ -123,7 +124,7 @@ class Job:
         if self.state is JobState.SUCCEEDED:
             return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_SUCCEEDED, result=self.result)
         assert self.failed is not None
-        reason = "CANCELLED" if self.failed.cancelled else self.failed.reason
+        reason = Reason.CANCELLED if self.failed.cancelled else self.failed.reason
         return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_FAILED, failure=self.failed.failure,
                                        error_reason=reason)
 
@@ -203,14 +204,14 @@ class TransferJobs:
         self._prune()
         job = self._running.get(request_id) or self._done.get(request_id)
         if job is None and _fence_key(request_id) in self._fences:
-            raise FailedPrecondition("TRANSFER_FENCED", f"request {clip(request_id, 64)!r} was reported settled by "
+            raise FailedPrecondition(Reason.TRANSFER_FENCED, f"request {clip(request_id, 64)!r} was reported settled by "
                                      "WaitTransfer, or finished long enough ago to be forgotten, before this "
                                      "Transfer arrived; use a new request id", {"request_id": request_id})
         if job is not None:
             if job.fingerprint == print_:
                 return job
             if job.state is not JobState.FAILED:
-                raise KvsvcError("TRANSFER_EXISTS", f"request {clip(request_id, 64)!r} already has a transfer with "
+                raise KvsvcError(Reason.TRANSFER_EXISTS, f"request {clip(request_id, 64)!r} already has a transfer with "
                                  "other params or blocks", {"request_id": request_id}, code=ErrorCode.ALREADY_EXISTS)
             # Failed and settled: the engine may try the request again with new params (for
             # example re-prefilled elsewhere after PEER_UNAVAILABLE); the old record goes.
@@ -289,7 +290,7 @@ class TransferJobs:
         """Refuse what could later need a fence when the fences are full of ones not yet due."""
         if len(self._fences) + len(self._done) + len(self._running) < self.fences_max:
             return
-        raise KvsvcError("TRANSFER_HISTORY_FULL", f"{what} refused: {self.fences_max} request ids were seen in the "
+        raise KvsvcError(Reason.TRANSFER_HISTORY_FULL, f"{what} refused: {self.fences_max} request ids were seen in the "
                          f"last {self.history_s:.0f} s, the most this server remembers; try again later",
                          {"fences": len(self._fences), "remembered": len(self._done), "running": len(self._running),
                           "max": self.fences_max, "history_s": int(self.history_s)},

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvsvc.errors import Internal, KvsvcError, Unavailable
 from kvsvc.memory.pools import MemoryKind, Pool
+from kvsvc.reasons import Reason
 from kvsvc.transport.copy_lanes import CopyLanes
 from kvsvc.transport.nixl_thread import NixlThread, TransferError
 from kvsvc.transport.ports import Flight
@@ -57,7 +58,7 @@ def load_nixl() -> Any:
     try:
         _api = _import_nixl_api()
     except Exception as e:  # missing wheel or missing shared libraries
-        raise Unavailable("NIXL_UNAVAILABLE", f"NIXL cannot be loaded: {e}") from e
+        raise Unavailable(Reason.NIXL_UNAVAILABLE, f"NIXL cannot be loaded: {e}") from e
     if not os.environ.get("NIXL_LOG_LEVEL"):
         # NIXL's Python logger prints every agent creation to stdout at INFO.
         logging.getLogger("nixl").setLevel(logging.WARNING)
@@ -92,8 +93,8 @@ def _kvsvc_error(e: Exception, what: str) -> KvsvcError:
     if isinstance(e, KvsvcError):
         return e
     if isinstance(e, TransferError):
-        return Internal("TRANSFER_FAILED", f"{what}: {e}")
-    return Internal("NIXL_ERROR", f"{what}: {type(e).__name__}: {e}")
+        return Internal(Reason.TRANSFER_FAILED, f"{what}: {e}")
+    return Internal(Reason.NIXL_ERROR, f"{what}: {type(e).__name__}: {e}")
 
 
 @dataclass

@@ -46,6 +46,7 @@ async def test_node_transfer_and_lease_expired():
                 error = summary["second_transfer_error"]
                 assert error["code"] == "FAILED_PRECONDITION" and error["reason"] == "LEASE_EXPIRED"
                 assert error["metadata"]["request_id"] == "node-req-1"
+                assert error["is_lease_expired"] is True  # the client's REASONS, from the proto's ErrorReason
                 # On one TransferStream: two good transfers, and the consumed lease's own error.
                 good, good2, expired = summary["stream"]
                 assert good == good2 == {"total_bytes": summary["transfer"]["total_bytes"]}

@@ -4,7 +4,7 @@
 // TransferStream. Prints one JSON summary line.
 //   node examples/transfer.js PREFILL_ADDR DECODE_ADDR P_BLOCKS D_BLOCKS   (blocks comma-separated)
 
-const { KvsvcClient, blocks } = require('..');
+const { KvsvcClient, REASONS, blocks } = require('..');
 
 async function main() {
   const [pAddr, dAddr, pIds = '1,2,3', dIds = '4,5,6'] = process.argv.slice(2);
@@ -25,7 +25,8 @@ async function main() {
     try {
       await d.transfer({ request_id: 'node-d-2', params: pub.params, local_block_ids_per_group: blocks(dBlocks) });
     } catch (err) {
-      expired = { code: err.code, reason: err.reason, metadata: err.metadata };
+      // The lease was consumed by the first transfer: a typed answer, not a bare failure.
+      expired = { code: err.code, reason: err.reason, metadata: err.metadata, is_lease_expired: err.reason === REASONS.LEASE_EXPIRED };
     }
     // Two more on one TransferStream, and a third whose lease was consumed already: its own error.
     const channel = d.transferStream();

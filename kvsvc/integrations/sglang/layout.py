@@ -21,6 +21,7 @@ from typing import Any
 
 from kvsvc.errors import FailedPrecondition
 from kvsvc.memory.pools import AddressRange
+from kvsvc.reasons import Reason
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class SGLangCacheDescription:
 
 
 def _refuse(message: str, **meta: object) -> FailedPrecondition:
-    return FailedPrecondition("UNSUPPORTED_KV_LAYOUT", message, {k: str(v) for k, v in meta.items()})
+    return FailedPrecondition(Reason.UNSUPPORTED_KV_LAYOUT, message, {k: str(v) for k, v in meta.items()})
 
 
 def _ranges(p: SGLangPools) -> list[AddressRange]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.errors import FailedPrecondition
+from kvsvc.reasons import Reason
 
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32",
            "torch.float8_e4m3fn": "float8_e4m3", "torch.float8_e5m2": "float8_e5m2", "torch.uint8": "uint8"}
@@ -50,7 +51,7 @@ class LayerViews:
 
 
 def _refuse(message: str, **meta: object) -> FailedPrecondition:
-    return FailedPrecondition("UNSUPPORTED_KV_LAYOUT", message, {k: str(v) for k, v in meta.items()})
+    return FailedPrecondition(Reason.UNSUPPORTED_KV_LAYOUT, message, {k: str(v) for k, v in meta.items()})
 
 
 def _dtype(t: Any) -> str:

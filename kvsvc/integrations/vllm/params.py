@@ -11,6 +11,7 @@ from typing import Any
 
 from kvsvc.client.params import params_from_json, params_to_dict
 from kvsvc.errors import InvalidArgument
+from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 KEY = "kvsvc"
@@ -59,11 +60,11 @@ def from_vllm(params: Mapping[str, Any]) -> pb.TransferParams:
     """The TransferParams inside; INVALID_ARGUMENT / BAD_TRANSFER_PARAMS when they do not parse."""
     raw = params.get(KEY)
     if not isinstance(raw, dict):
-        raise InvalidArgument("BAD_TRANSFER_PARAMS", f"kv_transfer_params has no {KEY!r} object", {"key": KEY})
+        raise InvalidArgument(Reason.BAD_TRANSFER_PARAMS, f"kv_transfer_params has no {KEY!r} object", {"key": KEY})
     try:
         return params_from_json(raw)  # either spelling of each field: remote_address or remoteAddress
     except InvalidArgument as e:
-        raise InvalidArgument("BAD_TRANSFER_PARAMS", f"kv_transfer_params[{KEY!r}]: {e.message}"[:300],
+        raise InvalidArgument(Reason.BAD_TRANSFER_PARAMS, f"kv_transfer_params[{KEY!r}]: {e.message}"[:300],
                               {"key": KEY}) from e
 
 
