@@ -12,10 +12,11 @@ while a message is being written go out together in the next one.
 A P server without LeaseChannel (UNIMPLEMENTED) is spoken to with unary calls from then on.
 
 A P server on the same host may offer a Unix socket for the same messages (its path in
-the handshake answer; client/framing.py has the framing): the stream then runs
-there, at a tenth of the cost. A socket that cannot be connected to (another host,
-another user, a P server gone) is given up for good and the gRPC stream used instead; a
-socket connection that breaks is like a broken stream (the call is retried once).
+the handshake answer; kvsvc/framing.py has the framing): the stream then runs there, at a
+tenth of the cost. On either carrier the stream is a client/multiplex.py Multiplexer, as a
+TransferStream is. A socket that cannot be connected to (another host, another user, a P
+server gone) is given up for good and the gRPC stream used instead; a socket connection
+that breaks is like a broken stream (the call is retried once).
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
 from kvsvc.client.client import AsyncClient
-from kvsvc.client.errors import error_from_rpc, error_from_status
-from kvsvc.client.framing import LEASE_SOCKET_NAME, SocketCall, socket_path_of
+from kvsvc.client.errors import error_from_status
+from kvsvc.client.multiplex import Multiplexer, StreamEnded, StreamKind
+from kvsvc.client.socket_call import SocketCall
 from kvsvc.errors import Cancelled, DeadlineExceeded, Internal, KvsvcError, Unimplemented, Unreachable
+from kvsvc.framing import LEASE_SOCKET_NAME, socket_path_of
 from kvsvc.limits import MAX_LEASE_CALLS
 from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -48,118 +50,20 @@ def usable_socket_path(path: str) -> str:
     return socket_path_of(path, LEASE_SOCKET_NAME)
 
 
-class _StreamEnded(Exception):
-    """The stream ended before this call was answered; error is how it ended (None: cleanly)."""
-
-    def __init__(self, error: KvsvcError | None) -> None:
-        super().__init__(str(error) if error else "the LeaseChannel stream ended")
-        self.error = error
+def _answers(resp: pb.LeaseChannelResponse) -> Iterator[tuple[int, pb.LeaseAnswer | KvsvcError]]:
+    for answer in resp.answers:
+        error = answer.WhichOneof("result") == "error_status"
+        yield answer.call_id, _decode_error(answer.error_status) if error else answer
 
 
-class _Stream:
-    """One open LeaseChannel call: calls waiting for answers, and a reader that hands answers
-    to their callers.
+LEASE_STREAM: StreamKind[int, pb.LeaseCall, pb.LeaseAnswer] = StreamKind(
+    "the LeaseChannel", lambda calls: pb.LeaseChannelRequest(calls=calls), _answers,
+    lambda resp: _decode_error(resp.stream_error) if resp.stream_error else None, status_after_failed_write=False)
 
-    On the gRPC stream, whoever submits while no write is in flight writes, and keeps
-    writing what others queued meanwhile, a message at a time (no writer task: no extra
-    hop), and a reader task takes the answers. The lease socket writes at once (its writes
-    never wait) and hands each answer over inside the callback that received it.
-    """
 
-    def __init__(self, call: Any) -> None:
-        self.call = call
-        self.pending: dict[int, asyncio.Future[pb.LeaseAnswer]] = {}
-        self.queue: list[pb.LeaseCall] = []
-        self.writing = False
-        self.ended = False
-        self.reader: asyncio.Task[None] | None = None
-        if isinstance(call, SocketCall):
-            call.attach(self._deliver, self._end)
-        else:
-            self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-lease-channel")
-
-    async def submit(self, call: pb.LeaseCall, fut: asyncio.Future[pb.LeaseAnswer]) -> None:
-        if self.ended:
-            fut.set_exception(_StreamEnded(None))
-            return
-        self.pending[call.call_id] = fut
-        self.queue.append(call)
-        if self.writing:
-            return  # the write in flight (or the flush at the end of this loop turn) sends it
-        if isinstance(self.call, SocketCall):
-            self.writing = True
-            asyncio.get_running_loop().call_soon(self._flush)
-            return
-        self.writing = True
-        try:
-            while self.queue and not self.ended:
-                batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
-                await self.call.write(pb.LeaseChannelRequest(calls=batch))
-        except BaseException as e:
-            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
-            # so the stream ends and its calls are retried on a fresh one (all idempotent).
-            self._end(Unreachable(f"the LeaseChannel write failed: {type(e).__name__}"))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            self.writing = False
-
-    def _flush(self) -> None:
-        """The lease socket's write of the calls made in this loop turn, as one message (a
-        callback: no caller's cancellation can cut a message in two)."""
-        self.writing = False
-        if self.ended or not self.queue:
-            return
-        assert isinstance(self.call, SocketCall)
-        try:
-            while self.queue:
-                batch, self.queue = self.queue[:MAX_LEASE_CALLS], self.queue[MAX_LEASE_CALLS:]
-                self.call.write_now(pb.LeaseChannelRequest(calls=batch))
-        except Exception as e:
-            self._end(Unreachable(f"the lease socket write failed: {type(e).__name__}: {e}"))
-
-    def _deliver(self, resp: pb.LeaseChannelResponse) -> None:
-        if resp.stream_error:
-            self._end(_decode_error(resp.stream_error))
-            return
-        for answer in resp.answers:
-            fut = self.pending.pop(answer.call_id, None)
-            if fut is None or fut.done():
-                continue  # its caller gave up (deadline, cancellation)
-            if answer.WhichOneof("result") == "error_status":
-                fut.set_exception(_decode_error(answer.error_status))
-            else:
-                fut.set_result(answer)
-
-    async def _read(self) -> None:
-        error: KvsvcError | None = None
-        try:
-            async for resp in self.call:
-                self._deliver(resp)
-        except grpc.aio.AioRpcError as e:
-            error = error_from_rpc(e)
-        except asyncio.CancelledError:
-            error = Unreachable("the LeaseChannel stream was closed")
-        finally:
-            self._end(error)
-
-    def _end(self, error: KvsvcError | None) -> None:
-        """In one step, without awaiting: no call can join this stream after it ended."""
-        if self.ended:
-            return
-        self.ended = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(_StreamEnded(error))
-        self.pending.clear()
-        self.queue.clear()
-        self.call.cancel()
-
-    async def close(self) -> None:
-        self._end(Unreachable("the LeaseChannel stream was closed"))
-        if self.reader is not None:
-            self.reader.cancel()
-            await asyncio.gather(self.reader, return_exceptions=True)
+def lease_stream(call: Any) -> Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer]:
+    """One LeaseChannel (a gRPC call or a lease socket connection) shared by many calls."""
+    return Multiplexer(call, LEASE_STREAM, MAX_LEASE_CALLS)
 
 
 def _decode_error(data: bytes) -> KvsvcError:
@@ -176,7 +80,7 @@ class LeaseChannel:
         self._client = client
         self._socket_path = usable_socket_path(socket_path)  # P's lease socket ("" or given up: gRPC)
         self._connecting = asyncio.Lock()
-        self._stream: _Stream | None = None
+        self._stream: Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer] | None = None
         self._ids = itertools.count(1)
         self._unary = False
         self._closed = False
@@ -229,20 +133,21 @@ class LeaseChannel:
         breaks = 0  # a broken stream is retried once (both calls are idempotent)
         while True:
             call = make(next(self._ids))
-            fut: asyncio.Future[pb.LeaseAnswer] = loop.create_future()
-            stream: _Stream | None = None
+            stream: Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer] | None = None
+            fut: asyncio.Future[pb.LeaseAnswer] | None = None
             try:
                 # The deadline covers the write too: a write stuck past it ends the stream
-                # (submit does that when cancelled mid-write), and the next call opens a new one.
+                # (send does that when cancelled mid-write), and the next call opens a new one.
                 async with asyncio.timeout_at(deadline):
                     stream = self._stream if self.is_open else await self._open()
                     assert stream is not None
-                    await stream.submit(call, fut)
+                    fut = stream.expect(call.call_id)
+                    await stream.send(call)
                     return await fut
             except TimeoutError:
                 raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, f"no answer on the LeaseChannel to {self.address} "
                                        f"within {timeout:.3f} s") from None
-            except _StreamEnded as e:
+            except StreamEnded as e:
                 ended = e.error
                 if isinstance(ended, Unimplemented):
                     log.info("%s has no LeaseChannel: lease calls go unary", self.address)
@@ -260,10 +165,10 @@ class LeaseChannel:
                     raise Unreachable(f"the LeaseChannel to {self.address} broke before the "
                                       f"answer: {ended or 'closed'}") from None
             finally:
-                if stream is not None:
-                    stream.pending.pop(call.call_id, None)
+                if stream is not None and fut is not None:
+                    stream.forget(call.call_id, fut)
 
-    async def _open(self) -> _Stream:
+    async def _open(self) -> Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer]:
         async with self._connecting:  # one stream at a time, however many callers found none
             if self._stream is not None and not self._stream.ended:
                 return self._stream
@@ -285,5 +190,5 @@ class LeaseChannel:
                 call = self._client.channel.stream_stream(
                     _METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
                     response_deserializer=pb.LeaseChannelResponse.FromString)()
-            self._stream = _Stream(call)
+            self._stream = lease_stream(call)
             return self._stream

@@ -15,18 +15,19 @@ so a caller can switch by changing one line:
   transfer to a server without TransferStream (UNIMPLEMENTED), go as unary calls.
 
 A D server on the same host may offer its engine a Unix socket for the same messages
-(GetInfoResponse.transfer_socket; client/framing.py has the framing): the stream then
+(GetInfoResponse.transfer_socket; kvsvc/framing.py has the framing): the stream then
 runs there, at a tenth of gRPC's cost per message. The channel asks GetInfo once, when it
 first opens a stream; a socket that cannot be connected to (another host, another user,
 a server gone) is asked for again once, then given up for gRPC; a socket connection that
-breaks is like a broken stream.
+breaks is like a broken stream. On either carrier the stream is a client/multiplex.py
+Multiplexer, as a LeaseChannel is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -35,8 +36,10 @@ from google.rpc import status_pb2
 
 from kvsvc.client.client import AsyncClient, blocks_proto
 from kvsvc.client.errors import error_from_rpc, error_from_status
-from kvsvc.client.framing import TRANSFER_SOCKET_NAME, SocketCall, socket_path_of
+from kvsvc.client.multiplex import Multiplexer, StreamEnded, StreamKind
+from kvsvc.client.socket_call import SocketCall
 from kvsvc.errors import Cancelled, DeadlineExceeded, Internal, KvsvcError, Unimplemented, Unreachable
+from kvsvc.framing import TRANSFER_SOCKET_NAME, socket_path_of
 from kvsvc.limits import MAX_STREAM_CALLS
 from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -48,149 +51,31 @@ _METHOD = "/kvsvc.v1.KvTransferService/TransferStream"
 # How long a new stream waits for the server's headers before it writes anyway.
 HEADERS_WAIT_S = 2.0
 
-# After a failed write, how long the reader may take to bring the server's status.
-STATUS_WAIT_S = 2.0
-
 # The timeout_ms field holds at most this (~49 days).
 _MAX_TIMEOUT_MS = (1 << 32) - 1
 
 
-class _Ended(Exception):
-    """The stream ended before the answer; error says how (None: closed)."""
-
-    def __init__(self, error: KvsvcError | None) -> None:
-        super().__init__(str(error) if error else "the TransferStream ended")
-        self.error = error
+def _pack(items: list[pb.TransferCall | str]) -> pb.TransferStreamRequest:
+    """Transfers to start and request ids to give up (str), in one message."""
+    return pb.TransferStreamRequest(transfers=[c for c in items if not isinstance(c, str)],
+                                    cancel_request_ids=[c for c in items if isinstance(c, str)])
 
 
-class _Carrier:
-    """What both carriers of a TransferStream keep: the transfers waiting for answers, what
-    is queued to be sent, and how the stream ends."""
-
-    def __init__(self, call: Any) -> None:
-        self.call = call
-        self.pending: dict[str, asyncio.Future[pb.TransferAnswer]] = {}
-        self.starts: list[pb.TransferCall] = []
-        self.cancels: list[str] = []
-        self.ended = False
-
-    def queue(self, start: pb.TransferCall | None, cancel: str | None) -> None:
-        if self.ended:
-            raise _Ended(None)
-        if start is not None:
-            self.starts.append(start)
-        if cancel is not None:
-            self.cancels.append(cancel)
-
-    def next_message(self) -> pb.TransferStreamRequest | None:
-        """The next message of what is queued (None: nothing, or the stream ended)."""
-        if self.ended or not (self.starts or self.cancels):
-            return None
-        starts, self.starts = self.starts[:MAX_STREAM_CALLS], self.starts[MAX_STREAM_CALLS:]
-        cancels, self.cancels = self.cancels[:MAX_STREAM_CALLS], self.cancels[MAX_STREAM_CALLS:]
-        return pb.TransferStreamRequest(transfers=starts, cancel_request_ids=cancels)
-
-    def answered(self, resp: pb.TransferStreamResponse) -> None:
-        for answer in resp.answers:
-            fut = self.pending.pop(answer.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(answer)
-
-    def _end(self, error: KvsvcError | None) -> None:
-        """In one step, without awaiting: nothing can join this stream after it ended."""
-        if self.ended:
-            return
-        self.ended = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(_Ended(error))
-        self.pending.clear()
-        self.starts.clear()
-        self.cancels.clear()
-        self.call.cancel()
+def _answers(resp: pb.TransferStreamResponse) -> Iterator[tuple[str, pb.TransferAnswer]]:
+    return ((answer.request_id, answer) for answer in resp.answers)  # an error is its answer's to raise
 
 
-class _Stream(_Carrier):
-    """One open TransferStream call, and a reader that hands answers to their callers.
-    Whoever has something to send while no write is in flight writes, and keeps writing
-    what others queued meanwhile."""
+TRANSFER_STREAM: StreamKind[str, pb.TransferCall | str, pb.TransferAnswer] = StreamKind(
+    "the TransferStream", _pack, _answers,
+    lambda resp: _status_error(resp.stream_error, "the transfer socket's end") if resp.stream_error else None,
+    status_after_failed_write=True)
 
-    def __init__(self, call: Any) -> None:
-        super().__init__(call)
-        self.writing = False
-        self.reader = asyncio.get_running_loop().create_task(self._read(), name="kvsvc-transfer-stream")
-
-    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
-        self.queue(start, cancel)
-        if self.writing:
-            return  # the write in flight sends it next
-        self.writing = True
-        try:
-            while (msg := self.next_message()) is not None:
-                await self.call.write(msg)
-        except BaseException as e:
-            # Broken, or this writer cancelled mid-write: whether the message left is unknown,
-            # so the stream ends (its transfers' outcomes are unknown, as for a lost call).
-            # A write into a call the server already ended (a refusal such as NOT_AN_ENGINE)
-            # fails with gRPC's own error; the reader is about to get the server's status,
-            # which is the stream's end: it is given a moment to say it first.
-            if not isinstance(e, asyncio.CancelledError) and not self.ended:
-                await asyncio.wait([self.reader], timeout=STATUS_WAIT_S)
-            self._end(Unreachable(f"the TransferStream write failed: {type(e).__name__}"))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            self.writing = False
-
-    async def _read(self) -> None:
-        error: KvsvcError | None = None
-        try:
-            async for resp in self.call:
-                self.answered(resp)
-        except grpc.aio.AioRpcError as e:
-            error = error_from_rpc(e)
-        except asyncio.CancelledError:
-            error = Unreachable("the TransferStream was closed")
-        finally:
-            self._end(error)
-
-    async def close(self) -> None:
-        self._end(Unreachable("the TransferStream was closed"))
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
+_Stream = Multiplexer[str, pb.TransferCall | str, pb.TransferAnswer]
 
 
-class _SocketStream(_Carrier):
-    """One TransferStream on the transfer socket, as _Stream is on gRPC: what is to be sent
-    in a loop turn goes out as one frame at its end (a callback: no caller's cancellation
-    can cut a message in two), and answers are handed over as they are read."""
-
-    def __init__(self, call: SocketCall) -> None:
-        super().__init__(call)
-        self.flush_due = False
-        call.attach(self._deliver, self._end)
-
-    async def send(self, start: pb.TransferCall | None = None, cancel: str | None = None) -> None:
-        self.queue(start, cancel)
-        if not self.flush_due:
-            self.flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self.flush_due = False
-        try:
-            while (msg := self.next_message()) is not None:
-                self.call.write_now(msg)
-        except Exception as e:
-            self._end(Unreachable(f"the transfer socket write failed: {type(e).__name__}: {e}"))
-
-    def _deliver(self, resp: pb.TransferStreamResponse) -> None:
-        self.answered(resp)
-        if resp.stream_error:
-            self._end(_status_error(resp.stream_error, "the transfer socket's end"))
-
-    async def close(self) -> None:
-        self._end(Unreachable("the TransferStream was closed"))
+def transfer_stream(call: Any) -> _Stream:
+    """One TransferStream (a gRPC call or a transfer socket connection) shared by many transfers."""
+    return Multiplexer(call, TRANSFER_STREAM, MAX_STREAM_CALLS)
 
 
 class TransferChannel:
@@ -201,7 +86,7 @@ class TransferChannel:
             raise ValueError(f"carrier must be 'auto' or 'grpc', not {carrier!r}")
         self._client = client
         self._opening = asyncio.Lock()
-        self._stream: _Stream | _SocketStream | None = None
+        self._stream: _Stream | None = None
         self._unary = False
         self._closed = False
         # The server's transfer socket: None until GetInfo was asked, "" when there is none
@@ -221,7 +106,7 @@ class TransferChannel:
             return "unary"
         if self._stream is None:
             return ""
-        return "socket" if isinstance(self._stream, _SocketStream) else "grpc"
+        return "socket" if isinstance(self._stream.call, SocketCall) else "grpc"
 
     @property
     def is_open(self) -> bool:
@@ -247,20 +132,19 @@ class TransferChannel:
             self._unary, stream = True, None
         if stream is None or req.request_id in stream.pending:
             return await self._client.transfer_request(req, timeout_s=timeout, traceparent=traceparent)
-        fut: asyncio.Future[pb.TransferAnswer] = asyncio.get_running_loop().create_future()
-        stream.pending[req.request_id] = fut
+        fut = stream.expect(req.request_id)
         call = pb.TransferCall(request=req, timeout_ms=min(_MAX_TIMEOUT_MS, max(1, int(timeout * 1000))),
                                traceparent=traceparent)
         answered = False
         try:
             async with asyncio.timeout(timeout):
-                await stream.send(start=call)
+                await stream.send(call)
                 answer = await fut
             answered = True
         except TimeoutError:
             raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, f"no answer from {self.address} for transfer "
                                    f"{req.request_id!r} within {timeout:.3f} s") from None
-        except _Ended as e:
+        except StreamEnded as e:
             answered = True  # nothing left to give up on that stream
             if isinstance(e.error, Unimplemented):
                 log.info("%s has no TransferStream: transfers go unary", self.address)
@@ -277,8 +161,7 @@ class TransferChannel:
             raise Unreachable(f"the TransferStream to {self.address} broke before the answer "
                               f"to {req.request_id!r}: {e.error or 'closed'}") from None
         finally:
-            if stream.pending.get(req.request_id) is fut:
-                del stream.pending[req.request_id]
+            stream.forget(req.request_id, fut)
             if not answered and not stream.ended:
                 # Cancelled or timed out here: give it up on the server too (as a unary caller
                 # going away would), without waiting for that message to go out.
@@ -287,16 +170,16 @@ class TransferChannel:
             return answer.response
         raise _error_of(answer)
 
-    def _spawn_cancel(self, stream: _Stream | _SocketStream, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(stream.send(cancel=request_id))
+    def _spawn_cancel(self, stream: _Stream, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(stream.send(request_id))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a broken stream gave it up anyway
 
-    async def _open(self) -> _Stream | _SocketStream:
+    async def _open(self) -> _Stream:
         if self._stream is not None and not self._stream.ended:
             return self._stream
         async with self._opening:  # one stream at a time, however many callers found none
             if self._stream is None or self._stream.ended:
-                stream: _Stream | _SocketStream | None = await self._open_socket()
+                stream: _Stream | None = await self._open_socket()
                 if stream is None:
                     # No deadline: the stream lives as long as the channel; each transfer has its own.
                     call = self._client.channel.stream_stream(
@@ -304,13 +187,13 @@ class TransferChannel:
                         response_deserializer=pb.TransferStreamResponse.FromString)()
                     self.streams_opened += 1  # opened, even if the server then refuses it
                     await _accepted(call)
-                    stream = _Stream(call)
+                    stream = transfer_stream(call)
                 else:
                     self.streams_opened += 1
                 self._stream = stream
             return self._stream
 
-    async def _open_socket(self) -> _SocketStream | None:
+    async def _open_socket(self) -> _Stream | None:
         """A stream on the server's transfer socket, or None (then gRPC): the path GetInfo
         gave, asked again once if it no longer connects (the server restarted)."""
         for _attempt in range(2):
@@ -329,7 +212,7 @@ class TransferChannel:
                     return None
             call = await self._connect(self._socket_path)
             if call is not None:
-                return _SocketStream(call)
+                return transfer_stream(call)
             self._socket_path = "" if asked else None  # a path just given is given up; an older one asked again
         return None
 

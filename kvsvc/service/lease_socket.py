@@ -6,7 +6,7 @@ Unix socket costs a tenth of that. A P server without TLS offers one (its path i
 HandshakeResponse); a D server on the same host connects and sends the LeaseChannel's
 requests there. Answers are made by the very code that answers the stream.
 
-Framing (client/framing.py): a 4-byte little-endian length, then a serialized
+Framing (kvsvc/framing.py): a 4-byte little-endian length, then a serialized
 LeaseChannelRequest (D to P) or LeaseChannelResponse (P to D). Who may connect: the
 socket lives in a directory of mode 0700, so only this server's user (and root); under
 TLS no socket is offered, as lease calls must then carry the caller's certificate. A
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from kvsvc.client.framing import LEASE_SOCKET_NAME, frame
 from kvsvc.errors import KvsvcError
+from kvsvc.framing import LEASE_SOCKET_NAME, frame
 from kvsvc.limits import MAX_LEASE_CALLS, check_count
 from kvsvc.service.errors import to_status
 from kvsvc.service.local_socket import FramedConnection, LocalSocket, remove_stale_dirs

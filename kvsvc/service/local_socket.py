@@ -1,4 +1,4 @@
-"""A server's end of a same-host socket (client/framing.py has the framing and why).
+"""A server's end of a same-host socket (kvsvc/framing.py has the framing and why).
 
 LocalSocket listens on <temp dir>/kvsvc-<epoch>-<random>/<name>, in a directory of mode
 0700, so only this server's user (and root) can connect; it removes the directory when
@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvsvc.client.framing import SOCKET_DIR_PREFIX, SOCKET_NAMES, split_frames
 from kvsvc.errors import ErrorCode, KvsvcError
+from kvsvc.framing import SOCKET_DIR_PREFIX, SOCKET_NAMES, split_frames
 from kvsvc.reasons import Reason
 from kvsvc.tempdirs import temp_root
 

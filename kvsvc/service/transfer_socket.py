@@ -4,7 +4,7 @@ At one transfer at a time, a gRPC TransferStream message pair costs the D server
 of CPU in gRPC's own machinery and the engine as much again -- a third of a 1-block
 transfer's time on a small host. A D server without TLS offers its engine a Unix socket
 (GetInfoResponse.transfer_socket) carrying the same messages framed
-(client/framing.py); the engine's TransferChannel uses it when it can connect, the gRPC
+(kvsvc/framing.py); the engine's TransferChannel uses it when it can connect, the gRPC
 stream when not.
 
 Each connection is one TransferStream: a TransferStreamSession (service/transfer_stream.py)
@@ -31,8 +31,8 @@ import logging
 
 from google.protobuf.message import DecodeError
 
-from kvsvc.client.framing import TRANSFER_SOCKET_NAME, frame
 from kvsvc.errors import InvalidArgument, KvsvcError, Unavailable
+from kvsvc.framing import TRANSFER_SOCKET_NAME, frame
 from kvsvc.limits import MAX_STREAM_CALLS, clip
 from kvsvc.reasons import Reason
 from kvsvc.service.decode import Decoder

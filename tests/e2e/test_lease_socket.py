@@ -272,7 +272,8 @@ async def test_frames_split_anywhere_or_sent_together_are_all_answered_in_order(
 
 def test_a_p_server_that_stops_reading_breaks_the_socket_past_the_bound():
     """D never waits for the lease socket to drain; unsent bytes past MAX_UNSENT_BYTES end it."""
-    from kvsvc.client import framing
+    from kvsvc import framing
+    from kvsvc.client.socket_call import SocketCall
 
     class StuckTransport:
         def __init__(self) -> None:
@@ -287,7 +288,7 @@ def test_a_p_server_that_stops_reading_breaks_the_socket_past_the_bound():
         def get_write_buffer_size(self) -> int:
             return self.buffered
 
-    call = framing.SocketCall(1 << 20, pb.LeaseChannelResponse.FromString, "the lease socket")
+    call = SocketCall(1 << 20, pb.LeaseChannelResponse.FromString, "the lease socket")
     transport = StuckTransport()
     call.connection_made(transport)  # type: ignore[arg-type]
     msg = pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=1, notify=pb.NotifyRequest(request_id="r" * 200))])

@@ -17,6 +17,7 @@ from google.rpc import status_pb2
 from kvsvc.client import AsyncClient
 from kvsvc.client.errors import error_from_status
 from kvsvc.client.lease_channel import LeaseChannel
+from kvsvc.client.multiplex import Multiplexer
 from kvsvc.config import MemoryMode, Role, load_config
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied
 from kvsvc.limits import MAX_LEASE_CALLS
@@ -217,10 +218,10 @@ async def test_a_write_stuck_past_the_deadline_fails_the_call_and_ends_the_strea
         lane = LeaseChannel(client)
         calls: list[_StuckCall] = []
 
-        async def fake_open() -> lc._Stream:
+        async def fake_open() -> Multiplexer:
             if lane._stream is None or lane._stream.ended:
                 calls.append(_StuckCall())
-                lane._stream = lc._Stream(calls[-1])
+                lane._stream = lc.lease_stream(calls[-1])
             return lane._stream
 
         lane._open = fake_open  # type: ignore[method-assign]

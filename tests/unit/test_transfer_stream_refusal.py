@@ -10,7 +10,8 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
-from kvsvc.client.transfer_stream import _Ended, _Stream
+from kvsvc.client.multiplex import StreamEnded
+from kvsvc.client.transfer_stream import transfer_stream
 from kvsvc.errors import PermissionDenied
 from kvsvc.service.errors import to_status
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -43,10 +44,9 @@ class RefusedCall:
 
 
 async def test_a_refusal_that_fails_the_write_first_still_says_why():
-    stream = _Stream(RefusedCall())
-    fut = asyncio.get_running_loop().create_future()
-    stream.pending["r"] = fut
-    await stream.send(start=pb.TransferCall(request=pb.TransferRequest(request_id="r")))
-    with pytest.raises(_Ended) as e:
+    stream = transfer_stream(RefusedCall())
+    fut = stream.expect("r")
+    await stream.send(pb.TransferCall(request=pb.TransferRequest(request_id="r")))
+    with pytest.raises(StreamEnded) as e:
         await fut
     assert e.value.error is not None and e.value.error.reason == "NOT_AN_ENGINE"

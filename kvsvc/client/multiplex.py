@@ -1,0 +1,179 @@
+"""Many calls as messages on one open stream: what LeaseChannel and TransferChannel share.
+
+A caller registers a future under its call's key, queues the call, and awaits the future;
+answers are matched to futures by key as they arrive. The stream runs on one of two
+carriers, and the multiplexer hides which:
+
+- a gRPC bidirectional call: whoever queues while no write is in flight writes, and keeps
+  writing what others queued meanwhile, a message at a time (no writer task: no extra
+  hop); a reader task takes the answers;
+- a framed Unix socket (SocketCall): what is queued in one loop turn goes out as one
+  message at its end (a callback: no caller's cancellation can cut a message in two), and
+  answers are handed over inside the callback that read them.
+
+A stream ends once, in one step and without awaiting, so no call can join it after: every
+call still waiting fails with StreamEnded carrying how it ended (the server's status, a
+broken connection as errors.Unreachable, or None when closed here). Whether a call that
+was written got through is then unknown, as for a lost unary call; each channel decides
+what its callers get (a retry on a fresh stream, or UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from kvsvc.client.errors import error_from_rpc
+from kvsvc.client.socket_call import SocketCall
+from kvsvc.errors import KvsvcError, Unreachable
+
+K = TypeVar("K", bound=Hashable)  # what matches an answer to its call (call_id, request_id)
+Item = TypeVar("Item")  # one queued call
+Answer = TypeVar("Answer")
+
+# After a failed write, how long the reader may take to bring the server's status (for
+# the kinds that wait for it).
+STATUS_WAIT_S = 2.0
+
+
+class StreamEnded(Exception):
+    """The stream ended before this call was answered; error says how (None: closed here)."""
+
+    def __init__(self, error: KvsvcError | None, what: str = "the stream") -> None:
+        super().__init__(str(error) if error else f"{what} ended")
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class StreamKind(Generic[K, Item, Answer]):
+    """What one kind of stream (LeaseChannel, TransferStream) looks like to the multiplexer."""
+
+    what: str  # "the LeaseChannel", "the TransferStream": for errors and task names
+    pack: Callable[[list[Item]], Message]  # queued calls (at most a message's worth) -> one message
+    answers: Callable[[Any], Iterable[tuple[K, Answer | KvsvcError]]]  # a response -> (key, answer or error)
+    stream_error: Callable[[Any], KvsvcError | None]  # a response -> how the server ended the stream, if it did
+    # A write into a gRPC call the server already ended fails with gRPC's own error; for a
+    # stream refused as it opens (a TransferStream: NOT_AN_ENGINE, SHUTTING_DOWN) the
+    # server's status is the better account, so the reader is given a moment to bring it.
+    # A kind whose broken calls are retried on a fresh stream (LeaseChannel) ends at once.
+    status_after_failed_write: bool
+
+
+class Multiplexer(Generic[K, Item, Answer]):
+    """One open stream (a gRPC call or a SocketCall) shared by many calls."""
+
+    def __init__(self, call: Any, kind: StreamKind[K, Item, Answer], batch: int) -> None:
+        self.call = call
+        self.kind = kind
+        self.batch = batch  # the most calls one message carries
+        self.pending: dict[K, asyncio.Future[Answer]] = {}
+        self.queue: list[Item] = []
+        self.ended = False
+        self._writing = False
+        self.reader: asyncio.Task[None] | None = None
+        if isinstance(call, SocketCall):
+            call.attach(self._deliver, self.end)
+        else:
+            self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"kvsvc {kind.what}")
+
+    def expect(self, key: K) -> asyncio.Future[Answer]:
+        """The future the answer to key will settle (register before sending the call)."""
+        if self.ended:
+            raise StreamEnded(None, self.kind.what)
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self.pending[key] = fut
+        return fut
+
+    def forget(self, key: K, fut: asyncio.Future[Answer]) -> None:
+        """Its caller stopped waiting (answered, deadline, cancellation): a late answer is dropped."""
+        if self.pending.get(key) is fut:
+            del self.pending[key]
+
+    async def send(self, item: Item) -> None:
+        """Queue one call; returns once it is written or handed to the write in flight."""
+        if self.ended:
+            raise StreamEnded(None, self.kind.what)
+        self.queue.append(item)
+        if self._writing:
+            return  # the write in flight (or the flush at the end of this loop turn) sends it
+        self._writing = True
+        if isinstance(self.call, SocketCall):
+            asyncio.get_running_loop().call_soon(self._flush)
+            return
+        try:
+            while (msg := self._next_message()) is not None:
+                await self.call.write(msg)
+        except BaseException as e:
+            # Broken, or this writer cancelled mid-write: whether the message left is
+            # unknown, so the stream ends (its calls' outcomes are unknown, as for a lost call).
+            if (self.kind.status_after_failed_write and not isinstance(e, asyncio.CancelledError)
+                    and not self.ended and self.reader is not None):
+                await asyncio.wait([self.reader], timeout=STATUS_WAIT_S)
+            self.end(Unreachable(f"{self.kind.what} write failed: {type(e).__name__}"))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self._writing = False
+
+    def _next_message(self) -> Message | None:
+        if self.ended or not self.queue:
+            return None
+        batch, self.queue = self.queue[:self.batch], self.queue[self.batch:]
+        return self.kind.pack(batch)
+
+    def _flush(self) -> None:
+        """The socket's write of what this loop turn queued."""
+        self._writing = False
+        try:
+            while (msg := self._next_message()) is not None:
+                self.call.write_now(msg)
+        except Exception as e:
+            self.end(Unreachable(f"{self.kind.what} socket write failed: {type(e).__name__}: {e}"))
+
+    def _deliver(self, resp: Any) -> None:
+        for key, answer in self.kind.answers(resp):
+            fut = self.pending.pop(key, None)
+            if fut is None or fut.done():
+                continue  # its caller gave up (deadline, cancellation)
+            if isinstance(answer, KvsvcError):
+                fut.set_exception(answer)
+            else:
+                fut.set_result(answer)
+        error = self.kind.stream_error(resp)
+        if error is not None:
+            self.end(error)
+
+    async def _read(self) -> None:
+        error: KvsvcError | None = None
+        try:
+            async for resp in self.call:
+                self._deliver(resp)
+        except grpc.aio.AioRpcError as e:
+            error = error_from_rpc(e)
+        except asyncio.CancelledError:
+            error = Unreachable(f"{self.kind.what} was closed")
+        finally:
+            self.end(error)
+
+    def end(self, error: KvsvcError | None) -> None:
+        """In one step, without awaiting: no call can join this stream after it ended."""
+        if self.ended:
+            return
+        self.ended = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(StreamEnded(error, self.kind.what))
+        self.pending.clear()
+        self.queue.clear()
+        self.call.cancel()
+
+    async def close(self) -> None:
+        self.end(Unreachable(f"{self.kind.what} was closed"))
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
