@@ -7,72 +7,31 @@ from typing import Any
 
 from kvsvc.errors import InvalidArgument
 from kvsvc.layout.engine import EngineLayout, KVCacheGroup, KvMemoryLayout, RegionLayout, per_rank_heads
-from kvsvc.layout.specs import (
-    DType,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
+from kvsvc.layout.kinds import BY_TABLE_KIND, KINDS, check_keys
+from kvsvc.layout.specs import DType, KVCacheSpec, UniformTypeKVCacheSpecs
 from kvsvc.reasons import Reason
 
-GROUP_KINDS = ("full_attention", "sliding_window", "mla", "mamba", "uniform")
+GROUP_KINDS = (*BY_TABLE_KIND, "uniform")
 
-# The keys each table may have: any other is a mistake to name, not to ignore (a misspelt
-# `num_block = 4096` used to give the default 64 blocks without a word).
+# The keys each table may have beside its kind's (kinds.py): any other is named, not ignored.
 LAYOUT_KEYS = frozenset({"model_id", "total_num_kv_heads", "block_size", "num_blocks", "dtype", "groups",
                          "kv_memory_layout", "region_layout", "dcp_size"})
-_LEAF_KEYS = {
-    "full_attention": frozenset({"kind", "dtype", "head_size", "head_size_v"}),
-    "sliding_window": frozenset({"kind", "dtype", "head_size", "sliding_window"}),
-    "mla": frozenset({"kind", "dtype", "head_size"}),
-    "mamba": frozenset({"kind", "dtype", "states"}),
-}
 _GROUP_EXTRA_KEYS = frozenset({"name", "num_layers"})  # a group's own, beside its kind's
 _UNIFORM_KEYS = frozenset({"name", "kind", "layers"})
-_STATE_KEYS = frozenset({"shape", "dtype"})
-
-
-def _check_keys(table: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
-    if not isinstance(table, Mapping):
-        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{where} must be a table, not {type(table).__name__}",
-                              {"where": where})
-    unknown = sorted(str(k) for k in table if k not in allowed)
-    if unknown:
-        raise InvalidArgument(Reason.UNKNOWN_LAYOUT_KEY, f"{where} has unknown keys {unknown}; it may have "
-                              f"{sorted(allowed)}", {"where": where, "unknown": ",".join(unknown)})
+_ANY_LEAF_KEYS = frozenset().union(*(p.table_keys for p in KINDS))
 
 
 def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType, where: str,
                extra: frozenset[str] = frozenset()) -> KVCacheSpec:
     kind = d.get("kind", "full_attention")
-    if kind in _LEAF_KEYS:
-        _check_keys(d, _LEAF_KEYS[kind] | extra, where)
+    policy = BY_TABLE_KIND.get(kind)
+    if policy is not None:
+        check_keys(d, policy.table_keys | extra, where)
     dt = DType.parse(d["dtype"]) if "dtype" in d else dtype
-    if kind == "full_attention":
-        return FullAttentionSpec(block, heads, int(d.get("head_size", 64)), dt, int(d.get("head_size_v", 0)))
-    if kind == "sliding_window":
-        return SlidingWindowSpec(block, heads, int(d.get("head_size", 64)), dt, int(d.get("sliding_window", 128)))
-    if kind == "mla":
-        return MLAAttentionSpec(block, 1, int(d.get("head_size", 576)), dt)
-    if kind == "mamba":
-        states = d.get("states", [{"shape": [8, 16]}])
-        shapes = []
-        for si, st in enumerate(states):
-            _check_keys(st, _STATE_KEYS, f"{where}.states[{si}]")
-            full = [int(x) for x in st["shape"]]
-            if full[0] % tp_size:
-                raise InvalidArgument(
-                    Reason.TP_NOT_DIVISIBLE,
-                    f"mamba state dim 0 ({full[0]}) is not divisible by TP {tp_size}",
-                    {"state_dim0": full[0], "tp_size": tp_size},
-                )
-            shapes.append((full[0] // tp_size, *full[1:]))
-        dtypes = tuple(DType.parse(st["dtype"]) if "dtype" in st else dt for st in states)
-        return MambaSpec(block, tuple(shapes), dtypes)
-    raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"unknown group kind {kind!r}; use one of {GROUP_KINDS}", {"kind": kind})
+    if policy is None:
+        raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"unknown group kind {kind!r}; use one of {GROUP_KINDS}",
+                              {"kind": kind})
+    return policy.from_table(d, heads=heads, tp_size=tp_size, block=block, dtype=dt, where=where)
 
 
 def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
@@ -83,7 +42,7 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
     """
     if tp_size <= 0:
         raise InvalidArgument(Reason.INVALID_TP_SIZE, f"tp_size must be positive, got {tp_size}", {"tp_size": tp_size})
-    _check_keys(d, LAYOUT_KEYS, "layout")
+    check_keys(d, LAYOUT_KEYS, "layout")
     k = int(d.get("total_num_kv_heads", 8))
     block = int(d.get("block_size", 16))
     dtype = DType.parse(str(d.get("dtype", "bfloat16")))
@@ -92,10 +51,10 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
     layer_no = 0
     for gi, g in enumerate(d.get("groups", [{"kind": "full_attention", "num_layers": 2}])):
         where = f"layout.groups[{gi}]"
-        _check_keys(g, _UNIFORM_KEYS | _GROUP_EXTRA_KEYS | frozenset().union(*_LEAF_KEYS.values()), where)
+        check_keys(g, _UNIFORM_KEYS | _GROUP_EXTRA_KEYS | _ANY_LEAF_KEYS, where)
         name = str(g.get("name", f"g{gi}"))
         if g.get("kind") == "uniform":
-            _check_keys(g, _UNIFORM_KEYS, where)
+            check_keys(g, _UNIFORM_KEYS, where)
             inner: list[tuple[str, KVCacheSpec]] = []
             for li, ld in enumerate(g.get("layers", [])):
                 inner.append((f"layers.{layer_no}", _leaf_spec(ld, heads=heads, tp_size=tp_size, block=block,

@@ -4,42 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 
 from kvsvc.errors import KvsvcError
 from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, RegionLayout, per_rank_heads
+from kvsvc.layout.kinds import policy_of, spec_family
 from kvsvc.layout.regions import Region, RegionKind, build_pool_layout
-from kvsvc.layout.specs import (
-    AttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-    SpecFamily,
-    spec_family,
-)
+from kvsvc.layout.specs import KVCacheSpec, SpecFamily
+from kvsvc.layout.violation import Violation as Violation  # re-exported: what check_compatibility returns
+from kvsvc.layout.violation import violation
 from kvsvc.reasons import Reason
 
 HASH_VERSION = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Violation:
-    """One broken rule: an ErrorInfo reason, what to change, and the offending values."""
-
-    reason: str
-    message: str
-    metadata: dict[str, str] = field(default_factory=dict)
-
-
-def _v(reason: str, message: str, **meta: object) -> Violation:
-    return Violation(reason, message, {k: str(v) for k, v in meta.items()})
-
-
 def tp_divisibility(local_tp: int, remote_tp: int) -> Violation | None:
     """The TP sizes must divide one another (MAPPING.md §2)."""
     if local_tp <= 0 or remote_tp <= 0 or (local_tp % remote_tp and remote_tp % local_tp):
-        return _v(Reason.TP_NOT_DIVISIBLE,
+        return violation(Reason.TP_NOT_DIVISIBLE,
                   f"TP sizes {local_tp} (local) and {remote_tp} (remote) must divide one another",
                   local_tp_size=local_tp, remote_tp_size=remote_tp)
     return None
@@ -54,14 +35,14 @@ def check_compatibility(
     if tp:
         out.append(tp)
     if local.model_id != remote.model_id:
-        out.append(_v(Reason.MODEL_MISMATCH, f"models differ: local {local.model_id!r}, remote {remote.model_id!r}",
+        out.append(violation(Reason.MODEL_MISMATCH, f"models differ: local {local.model_id!r}, remote {remote.model_id!r}",
                       local_model_id=local.model_id, remote_model_id=remote.model_id))
     for side, lay in (("local", local), ("remote", remote)):
         for g in lay.groups:
             try:
                 spec_family(g.spec)
             except KvsvcError as e:
-                out.append(_v(e.reason, f"{side} group {g.name!r}: {e.message}", side=side, group=g.name))
+                out.append(violation(e.reason, f"{side} group {g.name!r}: {e.message}", side=side, group=g.name))
     if out and any(v.reason == Reason.MIXED_FAMILY_GROUP for v in out):
         return out
     out.extend(_check_groups(local, remote))
@@ -70,30 +51,30 @@ def check_compatibility(
     heads_split = _heads_split(local, local_tp, remote, remote_tp)
     out.extend(_check_dcp(local, remote))  # names unequal block sizes itself when DCP is on
     if local.dcp_size == remote.dcp_size == 1 and local.block_size % remote.block_size:
-        out.append(_v(Reason.BLOCK_SIZE_MISMATCH,
+        out.append(violation(Reason.BLOCK_SIZE_MISMATCH,
                       f"local block size {local.block_size} must be a multiple of the remote {remote.block_size} "
                       "(a larger remote block is unsupported: give the prefill side a block size that divides the "
                       "decode side's; under vLLM that is the attention backend's kernel block)",
                       local_block_size=local.block_size, remote_block_size=remote.block_size))
     if local.total_num_kv_heads != remote.total_num_kv_heads and _has_family(local, SpecFamily.ATTENTION):
-        out.append(_v(Reason.KV_HEADS_MISMATCH,
+        out.append(violation(Reason.KV_HEADS_MISMATCH,
                       f"total KV heads differ: local {local.total_num_kv_heads}, remote {remote.total_num_kv_heads}",
                       local_total_num_kv_heads=local.total_num_kv_heads,
                       remote_total_num_kv_heads=remote.total_num_kv_heads))
     if local.memory_order is not remote.memory_order and heads_split:
-        out.append(_v(Reason.LAYOUT_MISMATCH,
+        out.append(violation(Reason.LAYOUT_MISMATCH,
                       f"memory layouts differ ({local.kv_memory_layout.value} vs {remote.kv_memory_layout.value}) "
                       "and heads are split; use the same layout on both sides",
                       local_kv_memory_layout=local.kv_memory_layout.value,
                       remote_kv_memory_layout=remote.kv_memory_layout.value))
     elif heads_split and KvMemoryLayout.NHD in (local.memory_order, remote.memory_order):
-        out.append(_v(Reason.LAYOUT_MISMATCH,
+        out.append(violation(Reason.LAYOUT_MISMATCH,
                       f"NHD layout with TP {local_tp} (local) vs {remote_tp} (remote) splits heads that are not "
                       "contiguous; use HND on both sides or equal TP",
                       kv_memory_layout="NHD", local_tp_size=local_tp, remote_tp_size=remote_tp))
     packed = {lay.region_layout is RegionLayout.PACKED_KV for lay in (local, remote)}
     if len(packed) > 1 and (_has_family(local, SpecFamily.ATTENTION)):
-        out.append(_v(Reason.REGION_LAYOUT_MISMATCH,
+        out.append(violation(Reason.REGION_LAYOUT_MISMATCH,
                       f"K and V are packed per token on one side ({local.region_layout.value} locally, "
                       f"{remote.region_layout.value} remotely): a packed row cannot be split into separate K and V",
                       local_region_layout=local.region_layout.value, remote_region_layout=remote.region_layout.value))
@@ -110,14 +91,14 @@ def _check_dcp(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
         return []
     out = []
     if lc % rd and rd % lc:
-        out.append(_v(Reason.DCP_NOT_DIVISIBLE, f"DCP sizes {lc} (local) and {rd} (remote) must divide one another",
+        out.append(violation(Reason.DCP_NOT_DIVISIBLE, f"DCP sizes {lc} (local) and {rd} (remote) must divide one another",
                       local_dcp_size=lc, remote_dcp_size=rd))
     if local.block_size != remote.block_size:
-        out.append(_v(Reason.BLOCK_SIZE_MISMATCH, f"with DCP ({lc} local, {rd} remote) the block sizes must be equal: "
+        out.append(violation(Reason.BLOCK_SIZE_MISMATCH, f"with DCP ({lc} local, {rd} remote) the block sizes must be equal: "
                       f"local {local.block_size}, remote {remote.block_size}",
                       local_block_size=local.block_size, remote_block_size=remote.block_size))
     if lc != rd and _has_family(local, SpecFamily.SSM):
-        out.append(_v(Reason.DCP_MISMATCH, f"an MLA+SSM pair needs equal DCP sizes, got {lc} (local) and {rd} (remote)",
+        out.append(violation(Reason.DCP_MISMATCH, f"an MLA+SSM pair needs equal DCP sizes, got {lc} (local) and {rd} (remote)",
                       local_dcp_size=lc, remote_dcp_size=rd))
     return out
 
@@ -138,17 +119,17 @@ def _heads_split(local: EngineLayout, local_tp: int, remote: EngineLayout, remot
 def _check_groups(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
     out: list[Violation] = []
     if len(local.groups) != len(remote.groups):
-        return [_v(Reason.GROUP_MISMATCH, f"group counts differ: local {len(local.groups)}, remote {len(remote.groups)}",
+        return [violation(Reason.GROUP_MISMATCH, f"group counts differ: local {len(local.groups)}, remote {len(remote.groups)}",
                    local_groups=len(local.groups), remote_groups=len(remote.groups))]
     for gi, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=True)):
         if lg.family is not rg.family or lg.spec_type is not rg.spec_type:
-            out.append(_v(Reason.GROUP_MISMATCH,
+            out.append(violation(Reason.GROUP_MISMATCH,
                           f"group {gi} types differ: local {lg.spec_type.__name__}, remote {rg.spec_type.__name__}",
                           group_index=gi, local_type=lg.spec_type.__name__, remote_type=rg.spec_type.__name__))
             continue
         ll, rl = list(lg.layers()), list(rg.layers())
         if len(ll) != len(rl):
-            out.append(_v(Reason.LAYER_COUNT_MISMATCH,
+            out.append(violation(Reason.LAYER_COUNT_MISMATCH,
                           f"group {gi} ({lg.name}) layer counts differ: local {len(ll)}, remote {len(rl)}",
                           group_index=gi, local_layers=len(ll), remote_layers=len(rl)))
             continue
@@ -158,35 +139,16 @@ def _check_groups(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
 
 
 def _check_leaf(gi: int, layer: str, ls: KVCacheSpec, rs: KVCacheSpec) -> list[Violation]:
-    out: list[Violation] = []
     if type(ls) is not type(rs):
-        return [_v(Reason.GROUP_MISMATCH, f"layer {layer} types differ: {type(ls).__name__} vs {type(rs).__name__}",
+        return [violation(Reason.GROUP_MISMATCH, f"layer {layer} types differ: {type(ls).__name__} vs {type(rs).__name__}",
                    group_index=gi, layer=layer)]
-    if isinstance(ls, AttentionSpec) and isinstance(rs, AttentionSpec):
-        if ls.dtype is not rs.dtype:
-            out.append(_v(Reason.DTYPE_MISMATCH, f"layer {layer} dtypes differ: {ls.dtype.type_name} vs {rs.dtype.type_name}",
-                          layer=layer, local_dtype=ls.dtype.type_name, remote_dtype=rs.dtype.type_name))
-        lv = ls.value_head_size if isinstance(ls, FullAttentionSpec) else ls.head_size
-        rv = rs.value_head_size if isinstance(rs, FullAttentionSpec) else rs.head_size
-        if (ls.head_size, lv) != (rs.head_size, rv):
-            out.append(_v(Reason.HEAD_SIZE_MISMATCH, f"layer {layer} head sizes differ: {ls.head_size} vs {rs.head_size}",
-                          layer=layer, local_head_size=ls.head_size, remote_head_size=rs.head_size))
-    if isinstance(ls, MambaSpec) and isinstance(rs, MambaSpec):
-        if len(ls.shapes) != len(rs.shapes):
-            out.append(_v(Reason.REGION_COUNT_MISMATCH, f"layer {layer} has {len(ls.shapes)} state regions locally and "
-                          f"{len(rs.shapes)} remotely", layer=layer, local_regions=len(ls.shapes),
-                          remote_regions=len(rs.shapes)))
-        elif ls.dtypes != rs.dtypes or [s[1:] for s in ls.shapes] != [s[1:] for s in rs.shapes]:
-            out.append(_v(Reason.SSM_SHAPE_MISMATCH, f"layer {layer} state shapes or dtypes differ: "
-                          f"{ls.shapes} vs {rs.shapes}", layer=layer,
-                          local_shapes=ls.shapes, remote_shapes=rs.shapes))
-    return out
+    return policy_of(ls).compare(layer, ls, rs)
 
 
 def _check_regions(local: EngineLayout, local_tp: int, remote: EngineLayout, remote_tp: int) -> list[Violation]:
     lr, rr = build_pool_layout(local).regions, build_pool_layout(remote).regions
     if len(lr) != len(rr):
-        return [_v(Reason.REGION_COUNT_MISMATCH, f"region counts differ: local {len(lr)}, remote {len(rr)}",
+        return [violation(Reason.REGION_COUNT_MISMATCH, f"region counts differ: local {len(lr)}, remote {len(rr)}",
                    local_regions=len(lr), remote_regions=len(rr))]
     n = local.block_size // remote.block_size
     out: list[Violation] = []
@@ -199,19 +161,19 @@ def _check_regions(local: EngineLayout, local_tp: int, remote: EngineLayout, rem
 
 def _check_region_pair(a: Region, b: Region, n: int, local: EngineLayout, lt: int, rt: int) -> Violation | None:
     if a.kind is not b.kind:
-        return _v(Reason.REGION_MISMATCH, f"region {a.index} kinds differ: {a.kind.value} vs {b.kind.value}",
+        return violation(Reason.REGION_MISMATCH, f"region {a.index} kinds differ: {a.kind.value} vs {b.kind.value}",
                   region=a.index)
     if a.kind is RegionKind.SSM_STATE:
         expect_local = b.block_len * rt // lt if rt >= lt else None
         ok = a.block_len == expect_local if expect_local is not None else b.block_len == a.block_len * lt // rt
         if not ok:
-            return _v(Reason.SSM_SHAPE_MISMATCH, f"region {a.index} ({a.layer_name}) state bytes {a.block_len} (TP {lt}) "
+            return violation(Reason.SSM_SHAPE_MISMATCH, f"region {a.index} ({a.layer_name}) state bytes {a.block_len} (TP {lt}) "
                       f"do not shard from {b.block_len} (TP {rt})", region=a.index,
                       local_block_len=a.block_len, remote_block_len=b.block_len)
         return None
     if a.kind is RegionKind.LATENT:
         if a.block_len != n * b.block_len:
-            return _v(Reason.BLOCK_LEN_MISMATCH, f"MLA region {a.index} ({a.layer_name}) block lengths {a.block_len} vs "
+            return violation(Reason.BLOCK_LEN_MISMATCH, f"MLA region {a.index} ({a.layer_name}) block lengths {a.block_len} vs "
                       f"{b.block_len} (block ratio {n}) must match", region=a.index,
                       local_block_len=a.block_len, remote_block_len=b.block_len)
         return None
@@ -220,7 +182,7 @@ def _check_region_pair(a: Region, b: Region, n: int, local: EngineLayout, lt: in
     want_l = per_rank_heads(local.total_num_kv_heads, lt)
     want_r = per_rank_heads(local.total_num_kv_heads, rt)
     if (a.heads, b.heads) != (want_l, want_r) or a.head_bytes != b.head_bytes:
-        return _v(Reason.KV_HEADS_MISMATCH, f"region {a.index} ({a.layer_name}) holds {a.heads} local / {b.heads} remote "
+        return violation(Reason.KV_HEADS_MISMATCH, f"region {a.index} ({a.layer_name}) holds {a.heads} local / {b.heads} remote "
                   f"heads per rank; K={local.total_num_kv_heads} at TP {lt}/{rt} needs {want_l}/{want_r}",
                   region=a.index, local_heads=a.heads, remote_heads=b.heads)
     return None
@@ -232,15 +194,7 @@ def compatibility_hash(layout: EngineLayout) -> str:
     for g in layout.groups:
         layers = []
         for _name, spec in g.layers():
-            item: dict[str, object] = {"type": type(spec).__name__}
-            if isinstance(spec, AttentionSpec):
-                item.update(head_size=spec.head_size, dtype=spec.dtype.type_name)
-                if isinstance(spec, FullAttentionSpec):
-                    item["head_size_v"] = spec.value_head_size
-                if isinstance(spec, SlidingWindowSpec):
-                    item["window"] = spec.sliding_window
-            if isinstance(spec, MambaSpec):
-                item.update(trailing=[list(s[1:]) for s in spec.shapes], dtypes=[d.type_name for d in spec.dtypes])
+            item = {"type": type(spec).__name__, **policy_of(spec).hash_item(spec)}
             layers.append(item)
         groups.append({"type": g.spec_type.__name__, "layers": layers})
     doc = {"v": HASH_VERSION, "model": layout.model_id, "k": layout.total_num_kv_heads, "groups": groups}

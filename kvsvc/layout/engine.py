@@ -2,42 +2,16 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvsvc.errors import FieldViolation, InvalidArgument
-from kvsvc.layout.specs import (
-    AttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SpecFamily,
-    UniformTypeKVCacheSpecs,
-    representative_spec_type,
-    spec_family,
-)
+from kvsvc.layout.kinds import policy_of, representative_spec_type, spec_family
+from kvsvc.layout.specs import KVCacheSpec, SpecFamily, UniformTypeKVCacheSpecs
+from kvsvc.layout.specs import KvMemoryLayout as KvMemoryLayout  # re-exported: the layout's fields
+from kvsvc.layout.specs import RegionLayout as RegionLayout
+from kvsvc.layout.specs import per_rank_heads as per_rank_heads
 from kvsvc.reasons import Reason
-
-
-class KvMemoryLayout(enum.Enum):
-    """Dimension order inside one attention block."""
-
-    HND = "HND"  # [heads, tokens, head_size]: heads contiguous
-    NHD = "NHD"  # [tokens, heads, head_size]
-
-
-class RegionLayout(enum.Enum):
-    """How K and V of one attention layer are placed."""
-
-    SPLIT_KV = "split_kv"  # two regions per layer: K blocks, then V blocks
-    BLOCKS_FIRST = "blocks_first"  # one [num_blocks, 2, ...] allocation per layer
-    PACKED_KV = "packed_kv"  # one region per layer; K and V of a token packed inside each head
-
-
-def per_rank_heads(total_num_kv_heads: int, tp_size: int) -> int:
-    """KV heads one rank holds: K // tp, or 1 when heads are replicated (tp > K)."""
-    return max(1, total_num_kv_heads // tp_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,25 +149,5 @@ class EngineLayout:
             bad.append(
                 FieldViolation(where, f"block_size {spec.block_size} differs from the layout's {self.block_size}")
             )
-        if isinstance(spec, AttentionSpec):
-            if spec.head_size <= 0:
-                bad.append(FieldViolation(where + ".head_size", "must be positive"))
-            if isinstance(spec, MLAAttentionSpec):
-                if spec.num_kv_heads != 1:
-                    bad.append(FieldViolation(where + ".num_kv_heads", "MLA holds exactly one latent head"))
-            elif spec.num_kv_heads <= 0:
-                bad.append(FieldViolation(where + ".num_kv_heads_per_rank", "must be positive"))
-            elif tp_size and spec.num_kv_heads != per_rank_heads(self.total_num_kv_heads, tp_size):
-                bad.append(
-                    FieldViolation(
-                        where + ".num_kv_heads_per_rank",
-                        f"is {spec.num_kv_heads} but K={self.total_num_kv_heads} over TP {tp_size} "
-                        f"gives {per_rank_heads(self.total_num_kv_heads, tp_size)}",
-                    )
-                )
-        elif isinstance(spec, MambaSpec):
-            if not spec.shapes or len(spec.shapes) != len(spec.dtypes):
-                bad.append(FieldViolation(where + ".states", "needs one dtype per state shape, at least one"))
-            elif any(d <= 0 for s in spec.shapes for d in s) or any(not s for s in spec.shapes):
-                bad.append(FieldViolation(where + ".states", "state dimensions must be positive"))
+        bad.extend(policy_of(spec).check(spec, where, self.total_num_kv_heads, tp_size))
         return bad

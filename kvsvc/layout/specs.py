@@ -1,4 +1,5 @@
-"""KV-cache spec types (as vLLM's hybrid allocator knows them) and their page arithmetic."""
+"""KV-cache spec types (as vLLM's hybrid allocator knows them), their page arithmetic, and
+the names of their memory orders and transfer families (kinds.py says what each kind does)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.errors import InvalidArgument
 from kvsvc.reasons import Reason
 
 
@@ -122,56 +123,29 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return iter(self.kv_cache_specs)
 
 
+class KvMemoryLayout(enum.Enum):
+    """Dimension order inside one attention block."""
+
+    HND = "HND"  # [heads, tokens, head_size]: heads contiguous
+    NHD = "NHD"  # [tokens, heads, head_size]
+
+
+class RegionLayout(enum.Enum):
+    """How K and V of one attention layer are placed."""
+
+    SPLIT_KV = "split_kv"  # two regions per layer: K blocks, then V blocks
+    BLOCKS_FIRST = "blocks_first"  # one [num_blocks, 2, ...] allocation per layer
+    PACKED_KV = "packed_kv"  # one region per layer; K and V of a token packed inside each head
+
+
+def per_rank_heads(total_num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank holds: K // tp, or 1 when heads are replicated (tp > K)."""
+    return max(1, total_num_kv_heads // tp_size)
+
+
 class SpecFamily(enum.Enum):
     """Transfer family of a spec: how its bytes split across TP ranks."""
 
     ATTENTION = "attention"  # heads split across ranks
     MLA = "mla"  # identical latent cache on every rank
     SSM = "ssm"  # state sharded across ranks
-
-
-def representative_spec_type(spec: KVCacheSpec) -> type[KVCacheSpec]:
-    """The class that stands for a group: a uniform wrapper's first inner spec's class."""
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        if not spec.kv_cache_specs:
-            raise InvalidArgument(Reason.EMPTY_GROUP, "a uniform-type spec needs at least one layer")
-        return type(spec.kv_cache_specs[0][1])
-    return type(spec)
-
-
-def spec_family_of_type(spec_type: type[KVCacheSpec]) -> SpecFamily:
-    """Family of a (leaf) spec class."""
-    if issubclass(spec_type, MLAAttentionSpec):
-        return SpecFamily.MLA
-    if issubclass(spec_type, AttentionSpec):
-        return SpecFamily.ATTENTION
-    if issubclass(spec_type, MambaSpec):
-        return SpecFamily.SSM
-    raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"spec type {spec_type.__name__} has no transfer family")
-
-
-def spec_family(spec: KVCacheSpec) -> SpecFamily:
-    """Family of a group spec, looking at every inner spec of a uniform wrapper.
-
-    The representative type alone is not enough: a wrapper whose first layer is MLA but
-    whose later layers are not would be transferred with the wrong geometry, so mixed
-    wrappers are rejected here.
-    """
-    if not isinstance(spec, UniformTypeKVCacheSpecs):
-        return spec_family_of_type(type(spec))
-    families = {name: spec_family_of_type(type(inner)) for name, inner in spec.layer_specs()}
-    distinct = sorted({f.value for f in families.values()})
-    if len(distinct) > 1:
-        # A well-formed request for an unsupported combination: FAILED_PRECONDITION.
-        raise FailedPrecondition(
-            Reason.MIXED_FAMILY_GROUP,
-            "a uniform-type group mixes spec families "
-            + ", ".join(f"{n}={f.value}" for n, f in families.items())
-            + "; split it into one group per family",
-            {"families": ",".join(distinct)},
-        )
-    for name, inner in spec.layer_specs():
-        if isinstance(inner, UniformTypeKVCacheSpecs):
-            raise InvalidArgument(Reason.NESTED_UNIFORM_GROUP, f"layer {name} nests a uniform-type spec")
-    return spec_family_of_type(representative_spec_type(spec))
-

@@ -11,8 +11,9 @@ import numpy as np
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.layout.compat import check_compatibility
 from kvsvc.layout.engine import EngineLayout
+from kvsvc.layout.kinds import policy_of
 from kvsvc.layout.regions import PoolLayout, Region, build_pool_layout
-from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
+from kvsvc.layout.specs import SpecFamily
 from kvsvc.mapping.dcp import DcpGroup, dcp_group
 from kvsvc.mapping.geometry import (
     HeadRun,
@@ -250,7 +251,7 @@ def prepare_blocks(
             dcp.append(grp)
             continue
         dcp.append(None)
-        if remote_num_tokens and not ssm and not issubclass(lay.groups[g].spec_type, SlidingWindowSpec):
+        if remote_num_tokens and not ssm and not policy_of(lay.groups[g].spec_type).lists_window_only:
             # (A sliding-window group may list only its window's blocks: its list is taken as is.)
             rids = _request_part(rids, remote_num_tokens, rlay.block_size, g)
         rids, prefix = trim_prefix(lids, rids, 1 if ssm else n, group=g, ssm=ssm)

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvsvc.layout.specs import KVCacheSpec, MambaSpec
+from kvsvc.layout.kinds import spec_family_of_type
+from kvsvc.layout.specs import KVCacheSpec, SpecFamily
 from kvsvc.mapping.dcp import dcp_source_ranks
 from kvsvc.mapping.topology import tp_ratio
 
@@ -78,7 +79,7 @@ def compute_tp_mapping(
         attn = dcp_source_ranks(t, topology.dcp_size, rt, remote_dcp_size)
     else:
         attn = _attention_sources(t, lt, rt, k, is_mla)
-    has_ssm = any(issubclass(s, MambaSpec) for s in group_spec_types)
+    has_ssm = any(spec_family_of_type(s) is SpecFamily.SSM for s in group_spec_types)
     if not has_ssm:
         ssm: list[int] = []
     elif lt < rt:
@@ -86,7 +87,7 @@ def compute_tp_mapping(
         ssm = list(range(t * a, t * a + a))  # SSM state is always sharded
     else:
         ssm = list(attn)
-    per_group = tuple(tuple(ssm) if issubclass(s, MambaSpec) else tuple(attn) for s in group_spec_types)
+    per_group = tuple(tuple(ssm) if spec_family_of_type(s) is SpecFamily.SSM else tuple(attn) for s in group_spec_types)
     all_src = tuple(sorted(set(attn) | set(ssm)))
     head_slot = {r * k // rt: i for i, r in enumerate(attn)}
     slots = {r: head_slot.get(r * k // rt, 0) for r in all_src}

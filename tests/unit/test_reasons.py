@@ -28,7 +28,7 @@ CLASS_CODES = {
     "Internal": "INTERNAL", "KvsvcError": "INTERNAL",
 }
 # Helpers that build an error from a reason: (argument position, keyword, code).
-HELPERS = {"bad_field": (2, "reason", "INVALID_ARGUMENT"), "_v": (0, None, "FAILED_PRECONDITION")}
+HELPERS = {"bad_field": (2, "reason", "INVALID_ARGUMENT"), "violation": (0, None, "FAILED_PRECONDITION")}
 
 
 def proto_reasons() -> dict[str, list[str]]:

@@ -1,0 +1,338 @@
+"""What kvsvc knows about each kind of KV-cache layer, in one place. Pure.
+
+A kind is a leaf spec class of specs.py: full attention, sliding window, MLA, Mamba. Its
+policy says how a layer of that kind is read from a layout table, checked, placed in a
+rank's pool, compared with the same layer of another engine, and hashed; and which
+family it transfers as (SpecFamily: how its bytes split across TP ranks, which is what
+mapping/ and verify.py know). Layout code asks ``policy_of(spec)`` instead of testing
+classes. A new kind of an existing family is its spec class, a policy here, and its wire
+form (protos/, codec.py); a new family also needs its TP split (mapping/) and its
+reference bytes (verify.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from kvsvc.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from kvsvc.layout.specs import (
+    AttentionSpec,
+    DType,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KvMemoryLayout,
+    MambaSpec,
+    MLAAttentionSpec,
+    RegionLayout,
+    SlidingWindowSpec,
+    SpecFamily,
+    UniformTypeKVCacheSpecs,
+    per_rank_heads,
+)
+from kvsvc.layout.violation import Violation, violation
+from kvsvc.reasons import Reason
+
+
+class RegionKind(enum.Enum):
+    """What one region of a rank's pool holds for a layer."""
+
+    KEY = "key"
+    VALUE = "value"
+    KV = "kv"  # K and V of a token packed inside each head (packed_kv)
+    LATENT = "latent"
+    SSM_STATE = "ssm_state"
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One region of a layer inside an allocation: where a block's bytes of it start (from
+    the block's start in the allocation), how many, and their geometry (attention: heads x
+    tokens x head_bytes, head-major or not; latent: one head; state: opaque)."""
+
+    kind: RegionKind
+    offset: int
+    length: int
+    heads: int = 0
+    tokens: int = 0
+    head_bytes: int = 0
+    head_major: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One run of num_blocks blocks of `stride` bytes holding the parts of a layer."""
+
+    stride: int
+    parts: tuple[Part, ...]
+
+
+def check_keys(table: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    """A layout table may have the keys allowed, and no other: a misspelt key is named,
+    not ignored (a misspelt `num_block = 4096` once gave the default 64 blocks unsaid)."""
+    if not isinstance(table, Mapping):
+        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{where} must be a table, not {type(table).__name__}",
+                              {"where": where})
+    unknown = sorted(str(k) for k in table if k not in allowed)
+    if unknown:
+        raise InvalidArgument(Reason.UNKNOWN_LAYOUT_KEY, f"{where} has unknown keys {unknown}; it may have "
+                              f"{sorted(allowed)}", {"where": where, "unknown": ",".join(unknown)})
+
+
+S = TypeVar("S", bound=KVCacheSpec)  # the spec class a policy is for
+A = TypeVar("A", bound=AttentionSpec)
+
+
+class KindPolicy(Generic[S]):
+    """A kind's answers. Subclasses set the class attributes and override what differs."""
+
+    spec_type: ClassVar[type[KVCacheSpec]]
+    family: ClassVar[SpecFamily]
+    table_kind: ClassVar[str]  # its `kind` in a layout table (TOML, the demo)
+    table_keys: ClassVar[frozenset[str]]  # the keys its table may have
+    # A group of this kind may name only the blocks its window covers: its block list is
+    # taken as is, not cut to the request's length.
+    lists_window_only: ClassVar[bool] = False
+
+    def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
+                   where: str) -> KVCacheSpec:
+        """The spec of a layer from its table (keys already checked; heads: per rank)."""
+        raise NotImplementedError
+
+    def allocations(self, spec: S, memory_order: KvMemoryLayout, region_layout: RegionLayout) -> list[Allocation]:
+        """Where a layer's blocks live in a rank's pool, allocation by allocation."""
+        raise NotImplementedError
+
+    def check(self, spec: S, where: str, total_num_kv_heads: int, tp_size: int | None) -> list[FieldViolation]:
+        """What is malformed in a layer's spec (tp_size: check per-rank counts against it)."""
+        return []
+
+    def compare(self, layer: str, ls: S, rs: S) -> list[Violation]:
+        """The rules the same layer of two engines (both of this kind) breaks."""
+        return []
+
+    def hash_item(self, spec: S) -> dict[str, object]:
+        """What of a layer two compatible engines share whatever their TP and block size."""
+        return {}
+
+
+class _Attention(KindPolicy[A]):
+    """K and V per head: heads split across TP ranks (or replicated past K)."""
+
+    family = SpecFamily.ATTENTION
+
+    def allocations(self, spec: A, memory_order: KvMemoryLayout,
+                    region_layout: RegionLayout) -> list[Allocation]:
+        e = spec.dtype.itemsize
+        hv = spec.value_head_size if isinstance(spec, FullAttentionSpec) else spec.head_size
+        k_len = spec.block_size * spec.num_kv_heads * spec.head_size * e
+        v_len = spec.block_size * spec.num_kv_heads * hv * e
+        geo = dict(heads=spec.num_kv_heads, tokens=spec.block_size, head_major=memory_order is KvMemoryLayout.HND)
+        key = Part(RegionKind.KEY, 0, k_len, head_bytes=spec.head_size * e, **geo)  # type: ignore[arg-type]
+        if region_layout is RegionLayout.PACKED_KV:
+            # A head's row is K then V of one token: heads stay outermost (HND), so a head
+            # slice of a block is still one contiguous run.
+            packed = Part(RegionKind.KV, 0, k_len + v_len, head_bytes=(spec.head_size + hv) * e, **geo)  # type: ignore[arg-type]
+            return [Allocation(k_len + v_len, (packed,))]
+        if region_layout is RegionLayout.BLOCKS_FIRST:
+            value = Part(RegionKind.VALUE, k_len, v_len, head_bytes=hv * e, **geo)  # type: ignore[arg-type]
+            return [Allocation(k_len + v_len, (key, value))]
+        value = Part(RegionKind.VALUE, 0, v_len, head_bytes=hv * e, **geo)  # type: ignore[arg-type]
+        return [Allocation(k_len, (key,)), Allocation(v_len, (value,))]
+
+    def check(self, spec: A, where: str, total_num_kv_heads: int,
+              tp_size: int | None) -> list[FieldViolation]:
+        bad = []
+        if spec.head_size <= 0:
+            bad.append(FieldViolation(where + ".head_size", "must be positive"))
+        if spec.num_kv_heads <= 0:
+            bad.append(FieldViolation(where + ".num_kv_heads_per_rank", "must be positive"))
+        elif tp_size and spec.num_kv_heads != per_rank_heads(total_num_kv_heads, tp_size):
+            bad.append(FieldViolation(
+                where + ".num_kv_heads_per_rank",
+                f"is {spec.num_kv_heads} but K={total_num_kv_heads} over TP {tp_size} "
+                f"gives {per_rank_heads(total_num_kv_heads, tp_size)}"))
+        return bad
+
+    def compare(self, layer: str, ls: A, rs: A) -> list[Violation]:
+        out = []
+        if ls.dtype is not rs.dtype:
+            out.append(violation(Reason.DTYPE_MISMATCH,
+                                 f"layer {layer} dtypes differ: {ls.dtype.type_name} vs {rs.dtype.type_name}",
+                                 layer=layer, local_dtype=ls.dtype.type_name, remote_dtype=rs.dtype.type_name))
+        lv = ls.value_head_size if isinstance(ls, FullAttentionSpec) else ls.head_size
+        rv = rs.value_head_size if isinstance(rs, FullAttentionSpec) else rs.head_size
+        if (ls.head_size, lv) != (rs.head_size, rv):
+            out.append(violation(Reason.HEAD_SIZE_MISMATCH,
+                                 f"layer {layer} head sizes differ: {ls.head_size} vs {rs.head_size}",
+                                 layer=layer, local_head_size=ls.head_size, remote_head_size=rs.head_size))
+        return out
+
+    def hash_item(self, spec: A) -> dict[str, object]:
+        return {"head_size": spec.head_size, "dtype": spec.dtype.type_name}
+
+
+class FullAttention(_Attention[FullAttentionSpec]):
+    spec_type = FullAttentionSpec
+    table_kind = "full_attention"
+    table_keys = frozenset({"kind", "dtype", "head_size", "head_size_v"})
+
+    def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
+                   where: str) -> KVCacheSpec:
+        return FullAttentionSpec(block, heads, int(d.get("head_size", 64)), dtype, int(d.get("head_size_v", 0)))
+
+    def hash_item(self, spec: FullAttentionSpec) -> dict[str, object]:
+        return {**super().hash_item(spec), "head_size_v": spec.value_head_size}
+
+
+class SlidingWindow(_Attention[SlidingWindowSpec]):
+    spec_type = SlidingWindowSpec
+    table_kind = "sliding_window"
+    table_keys = frozenset({"kind", "dtype", "head_size", "sliding_window"})
+    lists_window_only = True
+
+    def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
+                   where: str) -> KVCacheSpec:
+        return SlidingWindowSpec(block, heads, int(d.get("head_size", 64)), dtype, int(d.get("sliding_window", 128)))
+
+    def hash_item(self, spec: SlidingWindowSpec) -> dict[str, object]:
+        return {**super().hash_item(spec), "window": spec.sliding_window}
+
+
+class MLA(_Attention[MLAAttentionSpec]):
+    """Multi-head latent attention: one latent vector per token, the same on every rank."""
+
+    spec_type = MLAAttentionSpec
+    family = SpecFamily.MLA
+    table_kind = "mla"
+    table_keys = frozenset({"kind", "dtype", "head_size"})
+
+    def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
+                   where: str) -> KVCacheSpec:
+        return MLAAttentionSpec(block, 1, int(d.get("head_size", 576)), dtype)
+
+    def allocations(self, spec: MLAAttentionSpec, memory_order: KvMemoryLayout,
+                    region_layout: RegionLayout) -> list[Allocation]:
+        length = spec.page_size_bytes()
+        latent = Part(RegionKind.LATENT, 0, length, heads=1, tokens=spec.block_size,
+                      head_bytes=spec.head_size * spec.dtype.itemsize)
+        return [Allocation(length, (latent,))]
+
+    def check(self, spec: MLAAttentionSpec, where: str, total_num_kv_heads: int,
+              tp_size: int | None) -> list[FieldViolation]:
+        bad = []
+        if spec.head_size <= 0:
+            bad.append(FieldViolation(where + ".head_size", "must be positive"))
+        if spec.num_kv_heads != 1:
+            bad.append(FieldViolation(where + ".num_kv_heads", "MLA holds exactly one latent head"))
+        return bad
+
+    def hash_item(self, spec: MLAAttentionSpec) -> dict[str, object]:
+        return {**super().hash_item(spec), "head_size_v": spec.value_head_size}
+
+
+class Mamba(KindPolicy[MambaSpec]):
+    """Mamba (SSM) state: opaque bytes per block, sharded contiguously across TP ranks."""
+
+    spec_type = MambaSpec
+    family = SpecFamily.SSM
+    table_kind = "mamba"
+    table_keys = frozenset({"kind", "dtype", "states"})
+    state_keys = frozenset({"shape", "dtype"})
+
+    def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
+                   where: str) -> KVCacheSpec:
+        states = d.get("states", [{"shape": [8, 16]}])
+        shapes = []
+        for si, st in enumerate(states):
+            check_keys(st, self.state_keys, f"{where}.states[{si}]")
+            full = [int(x) for x in st["shape"]]
+            if full[0] % tp_size:
+                raise InvalidArgument(Reason.TP_NOT_DIVISIBLE,
+                                      f"mamba state dim 0 ({full[0]}) is not divisible by TP {tp_size}",
+                                      {"state_dim0": full[0], "tp_size": tp_size})
+            shapes.append((full[0] // tp_size, *full[1:]))
+        dtypes = tuple(DType.parse(st["dtype"]) if "dtype" in st else dtype for st in states)
+        return MambaSpec(block, tuple(shapes), dtypes)
+
+    def allocations(self, spec: MambaSpec, memory_order: KvMemoryLayout,
+                    region_layout: RegionLayout) -> list[Allocation]:
+        return [Allocation(length, (Part(RegionKind.SSM_STATE, 0, length),)) for length in spec.state_bytes()]
+
+    def check(self, spec: MambaSpec, where: str, total_num_kv_heads: int,
+              tp_size: int | None) -> list[FieldViolation]:
+        if not spec.shapes or len(spec.shapes) != len(spec.dtypes):
+            return [FieldViolation(where + ".states", "needs one dtype per state shape, at least one")]
+        if any(d <= 0 for s in spec.shapes for d in s) or any(not s for s in spec.shapes):
+            return [FieldViolation(where + ".states", "state dimensions must be positive")]
+        return []
+
+    def compare(self, layer: str, ls: MambaSpec, rs: MambaSpec) -> list[Violation]:
+        if len(ls.shapes) != len(rs.shapes):
+            return [violation(Reason.REGION_COUNT_MISMATCH, f"layer {layer} has {len(ls.shapes)} state regions "
+                              f"locally and {len(rs.shapes)} remotely", layer=layer, local_regions=len(ls.shapes),
+                              remote_regions=len(rs.shapes))]
+        if ls.dtypes != rs.dtypes or [s[1:] for s in ls.shapes] != [s[1:] for s in rs.shapes]:
+            return [violation(Reason.SSM_SHAPE_MISMATCH, f"layer {layer} state shapes or dtypes differ: "
+                              f"{ls.shapes} vs {rs.shapes}", layer=layer, local_shapes=ls.shapes,
+                              remote_shapes=rs.shapes)]
+        return []
+
+    def hash_item(self, spec: MambaSpec) -> dict[str, object]:
+        return {"trailing": [list(s[1:]) for s in spec.shapes], "dtypes": [d.type_name for d in spec.dtypes]}
+
+
+KINDS: tuple[KindPolicy[Any], ...] = (FullAttention(), SlidingWindow(), MLA(), Mamba())
+_BY_TYPE = {p.spec_type: p for p in KINDS}
+BY_TABLE_KIND = {p.table_kind: p for p in KINDS}
+
+
+def policy_of(spec: KVCacheSpec | type[KVCacheSpec]) -> KindPolicy[Any]:
+    """The policy of a leaf spec (or spec class); UNKNOWN_SPEC_TYPE for one kvsvc has none for."""
+    spec_type = spec if isinstance(spec, type) else type(spec)
+    policy = _BY_TYPE.get(spec_type)
+    if policy is None:
+        raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"spec type {spec_type.__name__} has no transfer family")
+    return policy
+
+
+def representative_spec_type(spec: KVCacheSpec) -> type[KVCacheSpec]:
+    """The class that stands for a group: a uniform wrapper's first inner spec's class."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        if not spec.kv_cache_specs:
+            raise InvalidArgument(Reason.EMPTY_GROUP, "a uniform-type spec needs at least one layer")
+        return type(spec.kv_cache_specs[0][1])
+    return type(spec)
+
+
+def spec_family_of_type(spec_type: type[KVCacheSpec]) -> SpecFamily:
+    """Family of a (leaf) spec class."""
+    return policy_of(spec_type).family
+
+
+def spec_family(spec: KVCacheSpec) -> SpecFamily:
+    """Family of a group spec, looking at every inner spec of a uniform wrapper.
+
+    The representative type alone is not enough: a wrapper whose first layer is MLA but
+    whose later layers are not would be transferred with the wrong geometry, so mixed
+    wrappers are rejected here.
+    """
+    if not isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec_family_of_type(type(spec))
+    families = {name: spec_family_of_type(type(inner)) for name, inner in spec.layer_specs()}
+    distinct = sorted({f.value for f in families.values()})
+    if len(distinct) > 1:
+        # A well-formed request for an unsupported combination: FAILED_PRECONDITION.
+        raise FailedPrecondition(
+            Reason.MIXED_FAMILY_GROUP,
+            "a uniform-type group mixes spec families "
+            + ", ".join(f"{n}={f.value}" for n, f in families.items())
+            + "; split it into one group per family",
+            {"families": ",".join(distinct)},
+        )
+    for name, inner in spec.layer_specs():
+        if isinstance(inner, UniformTypeKVCacheSpecs):
+            raise InvalidArgument(Reason.NESTED_UNIFORM_GROUP, f"layer {name} nests a uniform-type spec")
+    return spec_family_of_type(representative_spec_type(spec))
