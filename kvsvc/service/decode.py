@@ -275,12 +275,18 @@ class Decoder:
         self._background.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
 
-    async def _abort_unpaired(self, p: pb.TransferParams) -> None:
-        """Best-effort ABORTED (with the lease token) to every P server of a request we could not
-        pair with or plan: their leases would otherwise wait out the TTL."""
+    async def abandon(self, p: pb.TransferParams) -> dict[str, str]:
+        """ABORTED (with the lease token) to every P server of a request this engine will not
+        read: their leases would otherwise wait out the TTL. Over the handshaken channels,
+        a fresh one only to a P server never read from. Returns each server's answer (a
+        LeaseState name, or the error reason)."""
         opts = dataclasses.replace(peer_client_options(self.node, p.remote_engine_id), timeout_s=2.0, retries=0)
-        handshaken = {peer.address: peer.client for peer in self.peers.listing()}  # no new channel where one is open
-        answers = await abort_published(p, engine_id=self.node.config.engine_id, options=opts, channels=handshaken)
+        handshaken = {peer.address: peer.client for peer in self.peers.listing()}
+        return await abort_published(p, engine_id=self.node.config.engine_id, options=opts, channels=handshaken)
+
+    async def _abort_unpaired(self, p: pb.TransferParams) -> None:
+        """Best effort, for a request we could not pair with or plan."""
+        answers = await self.abandon(p)
         for address, answer in answers.items():
             if not answer.startswith("LEASE_STATE_"):
                 log.warning("could not tell %s that %s was refused: %s", address, p.remote_request_id, answer)

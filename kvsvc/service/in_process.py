@@ -62,5 +62,11 @@ class InProcessTransfers:
                 return
             await asyncio.shield(job.settled.wait())
 
+    async def abandon(self, params: pb.TransferParams) -> dict[str, str]:
+        """Abort the leases of a request the engine will not load, at every P server, over the
+        server's handshaken channels (Decoder.abandon); each server's answer."""
+        assert asyncio.get_running_loop() is self._loop, "call on the server's event loop"
+        return await self._decoder.abandon(params)
+
     async def close(self) -> None:
         self._closed = True

@@ -136,3 +136,49 @@ def test_a_bad_heartbeat_setting_is_refused(value):
 
     with pytest.raises(ValueError, match="lease_heartbeat_s"):
         _checked_extra({"lease_heartbeat_s": value})
+
+
+def test_an_abandoned_request_is_aborted_at_p_over_the_channel_d_already_holds(tmp_path, monkeypatch):
+    """D reads one request from P, then a second one is abandoned before its transfer: P's
+    lease of the second is aborted at once (not left to its TTL), over the channel D's
+    embedded server already holds to that P -- no new connection is dialled for it."""
+    import kvsvc.client.leases as leases_module
+
+    dialled: list[str] = []
+    real_client = leases_module.AsyncClient
+    monkeypatch.setattr(leases_module, "AsyncClient", lambda address, *a, **k: (dialled.append(address),
+                                                                               real_client(address, *a, **k))[1])
+    p = start_server(engine_id="ab-p", role="prefill", tp_size=1, layout=TABLE)
+    worker = KvsvcWorker(engine_id="ab-d", role=Role.DECODE, tp_rank=0, tp_size=1, heartbeat_s=0.0)
+    sched = KvsvcScheduler(engine_id="ab-d", tp_size=1, dcp_size=1, is_producer=False, lease_heartbeat_s=0.0)
+    try:
+        worker.start(CacheDescription(TABLE, _buffers()))
+
+        async def publish(rid: str):
+            async with AsyncClient(p.address) as pc:
+                return await pc.publish_blocks(rid, [[1, 2, 3, 4]])
+
+        loaded = _request("d-ab-1", kvparams.to_vllm(asyncio.run(publish("ab-1")).params, num_tokens=4 * 16,
+                                                     tp_size=1, dcp_size=1))
+        sched.on_new_request(loaded)
+        blocks = SimpleNamespace(blocks=[[]], get_unhashed_block_ids_all_groups=lambda: [[9, 10, 11, 12]])
+        sched.update_state_after_alloc(loaded, blocks, 4 * 16)
+        worker.start_load_kv(sched.build_connector_meta(None))
+        assert _load_outcome(worker, "d-ab-1") == "loaded"
+
+        gone = _request("d-ab-2", kvparams.to_vllm(asyncio.run(publish("ab-2")).params, num_tokens=4 * 16,
+                                                   tp_size=1, dcp_size=1))
+        sched.on_new_request(gone)
+        sched.request_finished(gone, [[]])
+        meta = sched.build_connector_meta(None)
+        assert set(meta.abandon) == {"d-ab-2"}
+        worker.start_load_kv(meta)
+        end = time.monotonic() + 30
+        while "ab-2" in (leases := asyncio.run(_lease_states(p.address))) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert leases == {}, leases  # ab-1 consumed, ab-2 aborted: nothing held until a TTL
+        assert dialled == [], dialled
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        p.stop()

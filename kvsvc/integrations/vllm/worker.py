@@ -23,7 +23,7 @@ from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
-from kvsvc.client.leases import LEASE_NOT_YET_MADE, abort_published, heartbeat_published, servers_of
+from kvsvc.client.leases import LEASE_NOT_YET_MADE, heartbeat_published, servers_of
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.loop import LoopThread
@@ -416,8 +416,11 @@ class KvsvcWorker:
 
     async def _abandon(self, req_id: str, params: dict[str, Any]) -> None:
         try:
-            answers = await abort_published(kvparams.from_vllm(params), engine_id=self.engine_id,
-                                            options=self._options)
+            if self._transfers is None:
+                assert self._server is not None
+                self._transfers = InProcessTransfers(self._server)
+            # Through the embedded server: the P servers it read from already have a channel.
+            answers = await self._transfers.abandon(kvparams.from_vllm(params))
             log.info("kvsvc: %s abandoned before its transfer: %s", req_id, answers)
         except Exception as e:
             log.warning("kvsvc: could not abort the lease of %s: %s", req_id, e)
