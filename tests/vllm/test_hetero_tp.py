@@ -7,6 +7,8 @@ engines runs at a time (two cores).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.vllm.engines import NIXL, Engine, Engines, kvsvc
@@ -16,16 +18,19 @@ from tests.vllm.test_connector import disaggregated, same
 pytestmark = [pytest.mark.timeout(900), pytest.mark.full]  # make test-full: two more engine pairs per case
 
 
-def handshake(P: Engine, D: Engine, tries: int = 3) -> None:
+def handshake(P: Engine, D: Engine, tries: int = 6) -> None:
     """Let the oracle pair finish its first contact before the compared batch.
 
     NixlConnector gives a handshake 5 s (fixed in vLLM 0.32); on two busy cores P's side
-    sometimes answers later, and that request's load fails. A short prompt (no whole
-    block, so nothing cached on D) goes through until one loads.
+    sometimes answers later, and that request's load fails (three in a row were seen once
+    in the MLA TP 2 pair). A short prompt (no whole block, so nothing cached on D) goes
+    through until one loads, with a pause between tries for the engines to settle.
     """
     probe = [PROMPTS[0]]
     assert len(PROMPTS[0]) < 32
-    for _ in range(tries):
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(2.0)
         params = [o["kv_transfer_params"] for o in P.generate(probe, 1, [{"do_remote_decode": True}])]
         if D.generate(probe, 2, params)[0]["token_ids"]:
             return
