@@ -121,3 +121,30 @@ def test_a_cancelled_transfer_ends_once_settled_and_gives_p_its_lease_back(pair)
             assert released == [("sglang-4", LeaseState.ABORTED)]
     else:  # it finished before the cancel reached it
         assert fut.exception() is None and done.wait(10) and released == [("sglang-4", LeaseState.CONSUMED)]
+
+
+def test_releases_missed_while_the_release_watch_was_behind_are_reported_once(pair):
+    """The release watch falls behind (here: its subscription may hold nothing, as if the loop
+    had stalled through 64 MiB of releases): the leases released in the gap are looked up and
+    reported once each, and later releases come through the new subscription as before. A
+    withdrawn lease is not announced, and not waited for."""
+    p, _, _, _, released, _ = pair
+    p.lease("taken-back", [9], TOKEN)
+    assert p.withdraw("taken-back", TOKEN)
+    for i in range(3):
+        p.lease(f"gap-{i}", [i + 1], TOKEN, ttl_ms=300)
+
+    async def choke() -> None:
+        for sub in list(p.server.node.leases._watchers):
+            sub._max = 1  # the next release overflows it
+
+    p._loop.run(choke(), 10)
+    deadline = time.monotonic() + 10
+    while len(released) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.lease("after", [7], TOKEN, ttl_ms=300)
+    while len(released) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # a duplicate would come right behind
+    assert sorted(released) == [("after", LeaseState.EXPIRED)] + [(f"gap-{i}", LeaseState.EXPIRED) for i in range(3)]
+    assert p._unreleased == set()

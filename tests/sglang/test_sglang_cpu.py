@@ -1,6 +1,7 @@
 """SGLang's prefill/decode disaggregation, as this machine runs it, with SGLang's own NIXL
-backend: greedy tokens and logprobs through P, D and SGLang's router equal SGLang's
-aggregated server's, over concurrent requests including shared prefixes. The baseline the
+backend: greedy tokens through P, D and SGLang's router equal SGLang's aggregated server's
+(logprobs to within bfloat16 rounding: concurrent requests batch as they happen to), over
+concurrent requests including shared prefixes. The baseline the
 kvsvc backend is compared with (issue: SGLang uses kvsvc too), and the proof that the CPU
 fixtures (tests/sglang/cpu_fixtures) change nothing SGLang computes."""
 
@@ -62,7 +63,11 @@ def test_sglang_pd_with_its_nixl_backend_equals_its_aggregated_server(model, tmp
         router.wait_ready(60)
         got = answers(router, PROMPTS)
         assert [ids for ids, _ in got] == [ids for ids, _ in reference]
-        assert got == reference
+        # Logprobs to within bfloat16 rounding: these requests run concurrently, and SGLang's
+        # decode numerics depend on how they happen to batch, in either server (a 0.0001
+        # difference in one logprob was seen; the token ids are exact).
+        for (_, lps), (_, ref) in zip(got, reference, strict=True):
+            assert lps == pytest.approx(ref, abs=0.02)
         # P prefilled; D never did, so the KV it decoded from came from P.
         p_log, d_log = p.log.read_text(errors="replace"), d.log.read_text(errors="replace")
         assert "Prefill batch" in p_log and "Prefill batch" not in d_log

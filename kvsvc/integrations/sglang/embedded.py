@@ -55,6 +55,9 @@ class EmbeddedServer:
         self._tasks: dict[str, asyncio.Task[Any]] = {}  # D: running transfers, on the loop
         self._given_up: set[str] = set()  # D: cancelled before their task ran
         self._watcher: asyncio.Task[None] | None = None
+        # P: request ids leased here and not yet reported released (on the loop; bounded by
+        # the lease table's live leases): what the release watch looks up after a gap.
+        self._unreleased: set[str] = set()
         self.address = ""
         self.epoch = 0
 
@@ -118,6 +121,7 @@ class EmbeddedServer:
         async def make() -> pb.TransferParams:
             node = self.server.node
             prefill.lease_here(node, req)
+            self._unreleased.add(request_id)
             return pb.TransferParams(
                 remote_address=self.address, remote_engine_id=self.engine_id, remote_request_id=request_id,
                 remote_block_ids_per_group=[pb.BlockIds(block_ids=pages)], remote_epoch=self.epoch,
@@ -136,29 +140,49 @@ class EmbeddedServer:
                 node.leases.notify(request_id, NotifyKind.ABORTED, [], node.epoch, token=token, withdraw=True)
             except PermissionDenied:
                 return False
+            self._unreleased.discard(request_id)  # a withdrawn lease is not announced: nothing to wait for
             return True
 
         return self._loop.run(take_back(), CALL_TIMEOUT_S)
 
     async def _watch_releases(self, server: RunningServer) -> None:
-        """Every lease this server releases, to on_release. The subscription is read on this
-        same loop, so it falls behind (64 MiB of releases unread) only if the loop stalls that
-        long; it is then made again and the releases in the gap are not reported: their
-        requests end by SGLang's own timeouts."""
+        """Every lease this server releases, to on_release, once. The subscription is read on
+        this same loop, so it falls behind (64 MiB of releases unread) only if the loop stalls
+        that long; it is then made again, and the leases released in the gap are looked up
+        (their tombstones) and reported then."""
+        behind = False
         while True:
             sub = server.node.leases.subscribe()
+            if behind:  # subscribed again first: a release from now on comes through sub
+                self._report_gap(server)
             try:
                 async for ev in sub:
-                    if self._on_release is not None:
-                        try:
-                            self._on_release(ev.request_id, ev.reason)
-                        except Exception:
-                            log.exception("kvsvc: handling the release of %s failed", ev.request_id)
+                    self._report(ev.request_id, ev.reason)
                 return  # the table closed: the server stops
             except SubscriberBehind as e:
                 log.warning("kvsvc: rank %d's release watch fell behind (%s); watching again", self.tp_rank, e)
+                behind = True
             finally:
                 sub.close()
+
+    def _report(self, request_id: str, how: LeaseState) -> None:
+        if request_id not in self._unreleased:
+            return  # reported already (found in a gap), or not leased through this server
+        self._unreleased.discard(request_id)
+        if self._on_release is not None:
+            try:
+                self._on_release(request_id, how)
+            except Exception:
+                log.exception("kvsvc: handling the release of %s failed", request_id)
+
+    def _report_gap(self, server: RunningServer) -> None:
+        """The leases released while the watch was behind: each tracked lease no longer live
+        ended as its tombstone says (EXPIRED if even that is forgotten: it is gone)."""
+        table = server.node.leases
+        for rid in [r for r in self._unreleased if table.get(r) is None]:
+            how = table.final_state(rid) or LeaseState.EXPIRED
+            log.info("kvsvc: %s was released while the release watch was behind (%s)", rid, how.value)
+            self._report(rid, how)
 
     def final_state(self, request_id: str) -> LeaseState | None:
         return self._loop.run(self._final_state(request_id), CALL_TIMEOUT_S)
