@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-hosts bench-vllm bench-sglang clean node
+.PHONY: etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -137,6 +137,10 @@ proto-baseline: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvsvc bench --json bench/results.json
+
+# The same request between TP sizes with HND, NHD and mixed blocks: what a memory order costs.
+bench-layouts: $(STAMP)
+	$(BIN)/python -m bench.layouts --json bench/layouts.json
 
 # P and D on two simulated hosts (network namespaces; needs root): kvsvc vs raw NIXL over the link.
 bench-hosts: $(STAMP)

@@ -99,7 +99,7 @@ class Reason(enum.StrEnum):
     DCP_NOT_DIVISIBLE = "DCP_NOT_DIVISIBLE", _FP
     DCP_MISMATCH = "DCP_MISMATCH", _FP, _IA
     MODEL_MISMATCH = "MODEL_MISMATCH", _FP
-    LAYOUT_MISMATCH = "LAYOUT_MISMATCH", _FP
+    LAYOUT_MISMATCH = "LAYOUT_MISMATCH", _FP  # retired (RETIRED)
     REGION_LAYOUT_MISMATCH = "REGION_LAYOUT_MISMATCH", _FP
     BLOCK_SIZE_MISMATCH = "BLOCK_SIZE_MISMATCH", _FP
     GROUP_MISMATCH = "GROUP_MISMATCH", _FP
@@ -175,3 +175,9 @@ class Reason(enum.StrEnum):
     ETCD_ERROR = "ETCD_ERROR", _UA
     ETCD_UNAVAILABLE = "ETCD_UNAVAILABLE", _UA
     ETCD_WATCH_BROKEN = "ETCD_WATCH_BROKEN", _UA
+
+
+# Reasons kvsvc no longer answers with, kept so that the wire enum and old clients keep
+# their names. LAYOUT_MISMATCH: HND and NHD pools pair at any TP since the planner reads
+# token rows where heads are not contiguous (MAPPING.md §4).
+RETIRED = frozenset({Reason.LAYOUT_MISMATCH})

@@ -6,7 +6,7 @@ import hashlib
 import json
 
 from kvsvc.errors import KvsvcError
-from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, RegionLayout, per_rank_heads
+from kvsvc.layout.engine import EngineLayout, RegionLayout, per_rank_heads
 from kvsvc.layout.kinds import policy_of, spec_family
 from kvsvc.layout.regions import Region, RegionKind, build_pool_layout
 from kvsvc.layout.specs import KVCacheSpec, SpecFamily
@@ -48,7 +48,6 @@ def check_compatibility(
     out.extend(_check_groups(local, remote))
     if any(v.reason == Reason.GROUP_MISMATCH for v in out):
         return out
-    heads_split = _heads_split(local, local_tp, remote, remote_tp)
     out.extend(_check_dcp(local, remote))  # names unequal block sizes itself when DCP is on
     if local.dcp_size == remote.dcp_size == 1 and local.block_size % remote.block_size:
         out.append(violation(Reason.BLOCK_SIZE_MISMATCH,
@@ -61,17 +60,6 @@ def check_compatibility(
                       f"total KV heads differ: local {local.total_num_kv_heads}, remote {remote.total_num_kv_heads}",
                       local_total_num_kv_heads=local.total_num_kv_heads,
                       remote_total_num_kv_heads=remote.total_num_kv_heads))
-    if local.memory_order is not remote.memory_order and heads_split:
-        out.append(violation(Reason.LAYOUT_MISMATCH,
-                      f"memory layouts differ ({local.kv_memory_layout.value} vs {remote.kv_memory_layout.value}) "
-                      "and heads are split; use the same layout on both sides",
-                      local_kv_memory_layout=local.kv_memory_layout.value,
-                      remote_kv_memory_layout=remote.kv_memory_layout.value))
-    elif heads_split and KvMemoryLayout.NHD in (local.memory_order, remote.memory_order):
-        out.append(violation(Reason.LAYOUT_MISMATCH,
-                      f"NHD layout with TP {local_tp} (local) vs {remote_tp} (remote) splits heads that are not "
-                      "contiguous; use HND on both sides or equal TP",
-                      kv_memory_layout="NHD", local_tp_size=local_tp, remote_tp_size=remote_tp))
     packed = {lay.region_layout is RegionLayout.PACKED_KV for lay in (local, remote)}
     if len(packed) > 1 and (_has_family(local, SpecFamily.ATTENTION)):
         out.append(violation(Reason.REGION_LAYOUT_MISMATCH,
@@ -105,15 +93,6 @@ def _check_dcp(local: EngineLayout, remote: EngineLayout) -> list[Violation]:
 
 def _has_family(layout: EngineLayout, fam: SpecFamily) -> bool:
     return any(g.family is fam for g in layout.groups)
-
-
-def _heads_split(local: EngineLayout, local_tp: int, remote: EngineLayout, remote_tp: int) -> bool:
-    """True when a local block's heads come from a part of a remote block, or several."""
-    if not _has_family(local, SpecFamily.ATTENTION):
-        return False
-    lh = per_rank_heads(local.total_num_kv_heads, max(local_tp, 1))
-    rh = per_rank_heads(remote.total_num_kv_heads, max(remote_tp, 1))
-    return lh != rh or (lh > 1 and local_tp != remote_tp)
 
 
 def _check_groups(local: EngineLayout, remote: EngineLayout) -> list[Violation]:

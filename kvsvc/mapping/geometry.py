@@ -1,10 +1,13 @@
 """Descriptor geometry: the byte ranges one local rank reads from each remote rank (MAPPING.md §4).
 
-Every attention block is seen as [heads, tokens, row] (HND; NHD folds heads into the
-row, which is only legal when heads are not split). A local block of n·T remote tokens
-is filled from n remote blocks; a local head takes its bytes from one remote rank and
-head, chosen by the TP mapping. Units are generated with numpy and contiguous runs
-(both locally and remotely) are merged into one descriptor.
+Every attention block is seen as [heads, tokens, row] (HND) or [tokens, heads, row]
+(NHD). A local block of n·T remote tokens is filled from n remote blocks; a local head
+takes its bytes from one remote rank and head, chosen by the TP mapping. Where both
+sides are HND a head of a block is one run; where both are NHD and heads are not split
+the whole block is one run (heads folded into the row); otherwise (NHD with heads split,
+or the two sides in different orders) a unit is one token's row of a run of heads
+(MAPPING.md §4). Units are generated with numpy and contiguous runs (both locally and
+remotely) are merged into one descriptor.
 """
 
 from __future__ import annotations
@@ -56,9 +59,21 @@ HeadRun = tuple[int, int, int, int]
 
 
 def head_runs(a: Region, b: Region, mapping: TPMapping, attn_sources: Sequence[int], ratio: int) -> list[HeadRun]:
-    """The head runs of an attention or latent region pair (what attention_units reads per block)."""
-    return _head_runs(a.heads if a.head_major else 1, mapping, attn_sources, b.heads if b.head_major else 1, ratio,
-                      latent=a.kind is RegionKind.LATENT)
+    """The head runs of an attention or latent region pair (what attention_units reads per block).
+
+    Two NHD regions whose block is read whole get the one folded run (0, 1, rank, 0): heads
+    are then part of the row, and a block is one run however many heads it holds."""
+    runs = _head_runs(a.heads, mapping, attn_sources, b.heads, ratio, latent=a.kind is RegionKind.LATENT)
+    if not a.head_major and not b.head_major and a.heads == b.heads and len(runs) == 1 and runs[0][::3] == (0, 0) \
+            and runs[0][1] == a.heads:
+        return [(0, 1, runs[0][2], 0)]
+    return runs
+
+
+def _folded(a: Region, b: Region, runs: Sequence[HeadRun]) -> bool:
+    """Both NHD, heads not split: head_runs folded the heads into the row."""
+    return not a.head_major and not b.head_major and a.heads == b.heads and len(runs) == 1 \
+        and runs[0][1] == 1 and runs[0][::3] == (0, 0)
 
 
 def _head_runs(
@@ -98,6 +113,8 @@ def attention_units(
     chunk = b.tokens * row  # one head of one remote block
     if runs is None:
         runs = head_runs(a, b, mapping, attn_sources, ratio)
+    if not (a.head_major and b.head_major) and not _folded(a, b, runs):
+        return _token_units(a, b, local_ids, remote_ids, n, runs)
     m, rc = local_ids.size, remote_ids.size
     out: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     if n == 1:
@@ -118,6 +135,46 @@ def attention_units(
                 ro = rid * b.block_stride + (hr0 + h) * chunk
                 out.setdefault(r, []).append((lo[valid], ro[valid], np.full(int(valid.sum()), chunk, I64)))
     return {r: _stack(a.index, b.index, parts) for r, parts in out.items()}
+
+
+def _strides(r: Region) -> tuple[int, int]:
+    """(head stride, token stride) in bytes inside one block of r."""
+    return (r.tokens * r.head_bytes, r.head_bytes) if r.head_major else (r.head_bytes, r.heads * r.head_bytes)
+
+
+def _token_units(a: Region, b: Region, local_ids: np.ndarray, remote_ids: np.ndarray, n: int,
+                 runs: Sequence[HeadRun]) -> dict[int, Units]:
+    """Units of one token's row each: NHD with heads split, or the sides in different orders.
+
+    In one order (both NHD) a unit is a run of heads of one token, contiguous on both sides;
+    in different orders a unit is one head of one token (a head's tokens are contiguous on
+    the HND side only). Sorted by local offset, so that coalescing joins what is contiguous
+    on both sides (a local block whose heads all come from one remote rank's whole block).
+    """
+    hb = a.head_bytes
+    (a_hs, a_ts), (b_hs, b_ts) = _strides(a), _strides(b)
+    same_order = a.head_major == b.head_major
+    m, rc, tb = local_ids.size, remote_ids.size, b.tokens
+    k = np.arange(n, dtype=I64)[None, :]
+    flat = np.arange(m, dtype=I64)[:, None] * n + k
+    valid = np.broadcast_to((flat < rc)[:, :, None], (m, n, tb))
+    rid = remote_ids[np.minimum(flat, rc - 1)]
+    t = np.arange(tb, dtype=I64)[None, None, :]
+    local_base = (local_ids[:, None, None] * a.block_stride + (k[:, :, None] * tb + t) * a_ts)[valid]
+    remote_base = (rid[:, :, None] * b.block_stride + t * b_ts)[valid]
+    out: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for h0, cnt, r, hr0 in runs:
+        pieces = [(h0, hr0, cnt)] if same_order else [(h0 + h, hr0 + h, 1) for h in range(cnt)]
+        for hl, hr, c in pieces:
+            out.setdefault(r, []).append((local_base + hl * a_hs, remote_base + hr * b_hs,
+                                          np.full(local_base.size, c * hb, I64)))
+    made = {}
+    for r, parts in out.items():
+        u = _stack(a.index, b.index, parts)
+        order = np.argsort(u.local_offset, kind="stable")
+        made[r] = Units(u.local_region, u.local_offset[order], u.remote_region, u.remote_offset[order],
+                        u.length[order])
+    return made
 
 
 def ssm_units(

@@ -51,6 +51,12 @@ FAST: list[Cell] = [
     Cell("d2-1-2-nhd-page1", "d>p / NHD page of 1", 1, 2, gqa(4, block=1, kv_memory_layout="NHD")),
     Cell("p2-2-1-nhd1-hnd", "p>d / NHD page of 1 to HND", 2, 1, gqa(4, block=1, kv_memory_layout="NHD"),
          gqa(4, block=1)),
+    # NHD blocks of many tokens with heads split (SGLang's larger pages, vLLM's LBNHC), and
+    # the two memory orders paired: a token row at a time
+    Cell("p2-2-1-nhd", "p>d / NHD", 2, 1, gqa(4, kv_memory_layout="NHD")),
+    Cell("d2-1-2-nhd", "d>p / NHD", 1, 2, gqa(4, kv_memory_layout="NHD")),
+    Cell("eq-2-2-nhd-hnd", "equal / NHD to HND", 2, 2, gqa(4, kv_memory_layout="NHD"), gqa(4)),
+    Cell("d2-1-2-hnd-nhd", "d>p / HND to NHD", 1, 2, gqa(4), gqa(4, kv_memory_layout="NHD")),
     # D > P at ratios 2, 4, 8
     Cell("d2-1-2", "d>p", 1, 2, gqa(4)),
     Cell("d4-1-4", "d>p", 1, 4, gqa(8)),
@@ -112,8 +118,6 @@ class Refusal:
 
 
 REFUSALS: list[Refusal] = [
-    Refusal("nhd-hetero-tp", 2, 1, gqa(4, kv_memory_layout="NHD"), gqa(4, kv_memory_layout="NHD"),
-            "LAYOUT_MISMATCH", {"kv_memory_layout": "NHD", "local_tp_size": "1", "remote_tp_size": "2"}),
     Refusal("remote-block-larger", 1, 1, gqa(4, block=8), gqa(4, block=4), "BLOCK_SIZE_MISMATCH",
             {"local_block_size": "4", "remote_block_size": "8"}),
     Refusal("tp-not-divisible", 2, 3, gqa(6), gqa(6), "TP_NOT_DIVISIBLE", {"local_tp_size": "3", "remote_tp_size": "2"}),

@@ -17,10 +17,22 @@ def runs(local: list[int], remote: list[int]) -> int:
     return 1 + sum(1 for i in range(len(local) - 1) if local[i + 1] != local[i] + 1 or remote[i + 1] != remote[i] + 1)
 
 
+def token_rows(cell: Cell, block: int) -> int:
+    """Descriptors one (region, block, source rank) may need: 1 where heads are contiguous (HND
+    on both sides, or NHD blocks read whole); a token's run of heads each where NHD heads are
+    split; a token's head each where the sides' memory orders differ."""
+    orders = {"NHD" if lay.get("kv_memory_layout") == "NHD" and block > 1 else "HND"
+              for lay in (cell.p_layout, cell.d_layout or cell.p_layout)}
+    if orders == {"HND"} or (orders == {"NHD"} and cell.p_tp == cell.d_tp):
+        return 1
+    return block if len(orders) == 1 else block * max(1, cell.p_layout["total_num_kv_heads"] // cell.d_tp)
+
+
 def descriptor_bound(cell: Cell, info: pb.GetInfoResponse) -> int | None:
     """At most one descriptor per (region, maximal contiguous run, source rank) when a whole block
     is contiguous on both sides; one per (region, block, source rank) when D reads part of a block
-    or writes part of one. None for block-size ratios (HND splits each block by head)."""
+    or writes part of one (times token_rows where heads are not contiguous). None for block-size
+    ratios (HND splits each block by head)."""
     if info.layout.block_size_tokens != (cell.d_layout or cell.p_layout)["block_size"]:
         return None
     p_block = cell.p_layout["block_size"]
@@ -30,13 +42,14 @@ def descriptor_bound(cell: Cell, info: pb.GetInfoResponse) -> int | None:
     is_mla = bool(info.layout.groups) and all(g.spec.WhichOneof("kind") in ("mla_attention", "uniform_type")
                                                for g in info.layout.groups)
     targets = max(1, cell.p_tp // cell.d_tp)
+    rows = 1 if is_mla else token_rows(cell, p_block)
     bound = 0
     for region in info.pools[0].regions:
         g = region.group_index
         local = cell.d_ids[g]
         remote = cell.p_ids[g][len(cell.p_ids[g]) - len(local):]
-        whole = same_tp or is_mla
-        bound += (runs(local, remote) if whole else len(local)) * (1 if whole else targets)
+        whole = (same_tp or is_mla) and rows == 1
+        bound += (runs(local, remote) if whole else len(local) * rows) * (1 if whole else targets)
     return bound
 
 

@@ -58,11 +58,14 @@ class PD:
     """A prefill server, a decode server and SGLang's router in front of them."""
 
     def __init__(self, model: Path, logs: Path, backend: str, tp_p: int = 1, tp_d: int = 1,
-                 env: dict[str, str] | None = None, router_args: tuple[str, ...] = ()) -> None:
+                 env: dict[str, str] | None = None, router_args: tuple[str, ...] = (),
+                 server_args: tuple[str, ...] = ()) -> None:
+        """server_args: given to both servers (e.g. a page size)."""
         (self.p, self.bootstrap), (self.d, _) = (
-            sglang_server("sglang-p", model, logs, mode="prefill", backend=backend, tp=tp_p, extra_args=CHUNKED,
-                          env=env),
-            sglang_server("sglang-d", model, logs, mode="decode", backend=backend, tp=tp_d, env=env))
+            sglang_server("sglang-p", model, logs, mode="prefill", backend=backend, tp=tp_p,
+                          extra_args=(*CHUNKED, *server_args), env=env),
+            sglang_server("sglang-d", model, logs, mode="decode", backend=backend, tp=tp_d, extra_args=server_args,
+                          env=env))
         self.procs: list[Served] = [self.p, self.d]
         self.logs = logs
         try:
@@ -128,13 +131,15 @@ def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_pa
         assert "Prefill batch" not in pd.d.log.read_text(errors="replace")  # D decoded from P's KV
 
 
-@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)], ids=["p2-d1", "p1-d2"])
-def test_kvsvc_backend_equals_sglangs_nixl_backend_across_tp_sizes(model, kvsvc_env, tmp_path, tp_p, tp_d):
+@pytest.mark.parametrize("tp_p,tp_d,page", [(2, 1, 1), (1, 2, 1), (2, 1, 16)], ids=["p2-d1", "p1-d2", "p2-d1-page16"])
+def test_kvsvc_backend_equals_sglangs_nixl_backend_across_tp_sizes(model, kvsvc_env, tmp_path, tp_p, tp_d, page):
+    """Pages of one token (SGLang's default) and of 16, whose heads are not contiguous (NHD): D's
+    ranks read a token row of heads at a time."""
     results = {}
     for backend in ("nixl", "kvsvc"):
         logs = tmp_path / backend
         logs.mkdir()
-        with PD(model, logs, backend, tp_p, tp_d, env=kvsvc_env) as pd:
+        with PD(model, logs, backend, tp_p, tp_d, env=kvsvc_env, server_args=("--page-size", str(page))) as pd:
             results[backend] = one_by_one(pd.router, PROMPTS)
             if backend == "kvsvc":
                 d_servers, p_servers = kvsvc_servers(pd.d), kvsvc_servers(pd.p)

@@ -57,12 +57,14 @@ def expected_bytes(side: Side, local_ids) -> int:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lt=st.sampled_from(TP), rt=st.sampled_from(TP), k=st.sampled_from(K), mla=st.booleans(), ssm=st.booleans(),
        n=st.sampled_from([1, 2]), m=st.integers(1, 4), prefix=st.integers(0, 2), layers=st.integers(1, 3),
-       data=st.data())
-def test_every_rank_gets_exactly_its_heads(lt, rt, k, mla, ssm, n, m, prefix, layers, data):
+       orders=st.sampled_from([("HND", "HND"), ("NHD", "NHD"), ("HND", "NHD"), ("NHD", "HND")]), data=st.data())
+def test_every_rank_gets_exactly_its_heads(lt, rt, k, mla, ssm, n, m, prefix, layers, orders, data):
     # Several layers: the planner computes one region per shape and repeats it over the others.
+    # Any pair of memory orders at any TP pair: NHD with heads split and mixed orders read token rows.
     nb = 12
-    remote = make_side(rt, k=k, mla=mla, ssm=ssm, block=2, nb=nb * 2, layers=layers)
-    local = make_side(lt, k=k, mla=mla, ssm=ssm, block=2 * n, nb=nb, layers=layers)
+    lo, ro = ("HND", "HND") if mla else orders
+    remote = make_side(rt, k=k, mla=mla, ssm=ssm, block=2, nb=nb * 2, layers=layers, kv_memory_layout=ro)
+    local = make_side(lt, k=k, mla=mla, ssm=ssm, block=2 * n, nb=nb, layers=layers, kv_memory_layout=lo)
     total_local = m + prefix
     rids = data.draw(st.permutations(range(nb * 2)))[: total_local * n]
     lids = data.draw(st.permutations(range(nb)))[:m]
@@ -174,21 +176,31 @@ def test_bad_block_ids():
     assert e.value.reason == "UNKNOWN_GROUP"
 
 
-def test_incompatible_pair_is_refused():
-    local = make_side(2, k=8, mla=False, ssm=False, block=2, nb=8, kv_memory_layout="NHD")
-    remote = make_side(1, k=8, mla=False, ssm=False, block=2, nb=8, kv_memory_layout="NHD")
-    with pytest.raises(FailedPrecondition) as e:
-        plan_rank(local, remote, 0, [[0]], [[0]])
-    assert e.value.reason == "LAYOUT_MISMATCH"
+@pytest.mark.parametrize(("lt", "rt", "k", "lo", "ro", "descriptors"), [
+    # D TP 2 reads half the heads of P TP 1's NHD block: one run of 4 heads per token (4 tokens).
+    (2, 1, 8, "NHD", "NHD", 4),
+    # D TP 1 fills each token's 8 heads from two P ranks: per P rank one run per token.
+    (1, 2, 8, "NHD", "NHD", 8),
+    # Equal TP, different orders: a head of a token at a time (4 heads x 4 tokens).
+    (2, 2, 8, "HND", "NHD", 16),
+    (2, 2, 8, "NHD", "HND", 16),
+])
+def test_token_rows_where_heads_are_not_contiguous(lt, rt, k, lo, ro, descriptors):
+    """Heads split over NHD blocks, or blocks in different orders: right bytes, token-row descriptors."""
+    local = make_side(lt, k=k, mla=False, ssm=False, block=4, nb=8, kv_memory_layout=lo)
+    remote = make_side(rt, k=k, mla=False, ssm=False, block=4, nb=8, kv_memory_layout=ro)
+    plans, errors = run_transfer(local, remote, [[5]], [[2]])
+    assert not errors, errors
+    per_region = plans[0].num_descriptors // len(local.pool.regions)
+    assert per_region == descriptors
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lt=st.sampled_from([1, 2, 4, 8]), rt=st.sampled_from([1, 2, 4, 8]), k=st.sampled_from([1, 2, 4, 8]),
        n=st.sampled_from([1, 2]), nhd=st.booleans(), data=st.data())
 def test_packed_kv_moves_whole_token_rows(lt, rt, k, n, nhd, data):
-    """vLLM's CPU layout: one region per layer, K and V of a token packed inside each head."""
-    if nhd and lt != rt:
-        return  # NHD splits heads only at equal TP (refused otherwise, as for split K/V)
+    """vLLM's CPU layout: one region per layer, K and V of a token packed inside each head
+    (in NHD, each head's K and V of a token packed inside the token's row)."""
     layout = "NHD" if nhd else "HND"
     remote = make_side(rt, k=k, mla=False, ssm=False, block=2, nb=16, layers=2, region_layout="packed_kv",
                        kv_memory_layout=layout)

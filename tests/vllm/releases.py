@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import Any
 
 from kvsvc.client import AsyncClient
 from kvsvc.client.client import ReleaseStream
+from kvsvc.errors import Unreachable
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -18,6 +20,10 @@ def p_servers(params: dict[str, Any]) -> list[str]:
     return [s["address"] for s in kv.get("remote_servers", [])] or [kv["remote_address"]]
 
 
+# Engines busy on two cores can be slow to answer: a CI run once needed more than 30 s.
+SUBSCRIBE_S = 90.0
+
+
 class Releases:
     """Every WatchReleases event of some P servers, from subscription on."""
 
@@ -25,16 +31,35 @@ class Releases:
         self.addresses = sorted(set(addresses))
         self.events: list[tuple[str, str, str, float]] = []  # (server, request id, reason, time.monotonic())
         self._loop = LoopThread("releases")
-        self._tasks = self._loop.run(self._subscribe(), 30)  # engines busy on two cores can be slow to answer
+        self._clients: list[AsyncClient] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribed: set[str] = set()
+        pending = self._loop.submit(self._subscribe())
+        try:
+            self._tasks = pending.result(SUBSCRIBE_S)
+        except concurrent.futures.TimeoutError:
+            pending.cancel()
+            self.close()
+            silent = [a for a in self.addresses if a not in self._subscribed]
+            raise AssertionError(f"P servers {silent} did not answer WatchReleases in {SUBSCRIBE_S:.0f} s "
+                                 "(their engines' logs say whether an event loop stalled)") from None
 
     async def _subscribe(self) -> list[asyncio.Task[None]]:
         self._clients = [AsyncClient(a) for a in self.addresses]
-        streams = [await c.open_release_stream() for c in self._clients]  # subscribed on return
-        return [asyncio.ensure_future(self._drain(a, s)) for a, s in zip(self.addresses, streams, strict=True)]
+
+        async def one(address: str, client: AsyncClient) -> asyncio.Task[None]:
+            stream = await client.open_release_stream()  # subscribed on return
+            self._subscribed.add(address)
+            return asyncio.ensure_future(self._drain(address, stream))
+
+        return list(await asyncio.gather(*(one(a, c) for a, c in zip(self.addresses, self._clients, strict=True))))
 
     async def _drain(self, address: str, stream: ReleaseStream) -> None:
-        async for ev in stream:
-            self.events.append((address, ev.request_id, pb.ReleaseReason.Name(ev.reason), time.monotonic()))
+        try:
+            async for ev in stream:
+                self.events.append((address, ev.request_id, pb.ReleaseReason.Name(ev.reason), time.monotonic()))
+        except Unreachable:
+            pass  # the engine stopped; wait() reports what never arrived
 
     def wait(self, request_ids: list[str], timeout_s: float = 30.0) -> dict[str, list[str]]:
         """request id -> reasons seen on every server, once each server released it (or the timeout)."""

@@ -9,7 +9,8 @@ and D checked through vLLM's logical views (token t of block b, head h: what att
 reads), never through kvsvc's own view of the bytes:
 - LBHNC (what the connector asks for) with TP pairs both ways, and with kernel blocks
   smaller than vLLM's block on either side (vLLM's physical-per-logical split);
-- LBNHC (NHD) for equal TP, and refused by name for a pair that splits heads;
+- LBNHC (NHD) at any TP pair (heads split: a token row at a time), and an LBHNC engine
+  paired with an LBNHC one;
 - MLA's latent; BLHNC (layers interleaved in a block) refused with what to set.
 """
 
@@ -101,12 +102,14 @@ def errors(model: str, caches, names, rank: int, tp: int) -> list[str]:
     return out
 
 
-async def run_pair(model: str, layout: str, p_tp: int, d_tp: int, p_kb: int | None, d_kb: int | None):
-    """P and D engines as vLLM allocates them, one request moved; D's errors (empty: exact)."""
+async def run_pair(model: str, layout: str, p_tp: int, d_tp: int, p_kb: int | None, d_kb: int | None,
+                   d_layout: str | None = None):
+    """P and D engines as vLLM allocates them (D in d_layout when given), one request moved;
+    D's errors (empty: exact)."""
     total_heads = 1 if model == "mla" else K
     sides = {}
-    for side, tp, kb in (("p", p_tp, p_kb), ("d", d_tp, d_kb)):
-        ranks = [engine_rank(model, layout, tp, kb) for _ in range(tp)]
+    for side, tp, kb, lay in (("p", p_tp, p_kb, layout), ("d", d_tp, d_kb, d_layout or layout)):
+        ranks = [engine_rank(model, lay, tp, kb) for _ in range(tp)]
         descs = [describe(caches, cfg, model_id="m", total_num_kv_heads=total_heads) for caches, cfg, _ in ranks]
         assert descs[0].blocks_per_logical == (BLOCK // kb if kb else 1)
         sides[side] = (ranks, descs)
@@ -139,6 +142,9 @@ async def run_pair(model: str, layout: str, p_tp: int, d_tp: int, p_kb: int | No
     ("gqa", "LBHNC", 2, 2, 8, 16),
     ("gqa", "LBNHC", 1, 1, 16, None),
     ("gqa", "LBNHC", 2, 2, None, None),
+    # NHD with heads split: token rows (where vLLM's backend could not take LBHNC)
+    ("gqa", "LBNHC", 2, 1, None, None),
+    ("gqa", "LBNHC", 1, 2, 16, 16),
     ("mla", "LBHNC", 2, 1, 16, None),
     ("mla", "LBHNC", 1, 2, None, None),
 ])
@@ -157,10 +163,11 @@ async def test_a_decode_kernel_block_smaller_than_prefills_block_is_refused_with
     assert "kernel block" in e.value.message
 
 
-async def test_nhd_with_heads_split_is_refused_by_name():
-    with pytest.raises(KvsvcError) as e:
-        await run_pair("gqa", "LBNHC", 2, 1, None, None)
-    assert e.value.reason == "LAYOUT_MISMATCH" and e.value.metadata.get("kv_memory_layout") == "NHD"
+@pytest.mark.parametrize(("p_layout", "d_layout", "p_tp", "d_tp"), [
+    ("LBHNC", "LBNHC", 2, 1), ("LBNHC", "LBHNC", 1, 2), ("LBNHC", "LBHNC", 2, 2)])
+async def test_engines_with_different_layouts_pair(p_layout, d_layout, p_tp, d_tp):
+    """One engine's backend took LBHNC, the other's kept LBNHC: D's heads are right token by token."""
+    assert await run_pair("gqa", p_layout, p_tp, d_tp, None, None, d_layout) == []
 
 
 def test_layers_interleaved_in_a_block_are_refused_with_what_to_set():

@@ -97,8 +97,8 @@ def describe(p: SGLangPools) -> SGLangCacheDescription:
             raise _refuse(f"{kind} buffers of {sorted(row)} bytes a page do not split into {p.page_size} tokens of "
                           f"{heads} heads", page_bytes=sorted(row), page_size=p.page_size, heads=heads)
         sizes.append(next(iter(row)) // (p.page_size * heads))
-    # One page of one token is the same bytes in NHD and HND (heads contiguous): kvsvc then
-    # splits heads between TP sizes; larger NHD pages move between equal TP sizes only.
+    # One page of one token is the same bytes in NHD and HND (heads contiguous): kvsvc splits
+    # heads between TP sizes as for HND; a larger page is read a token row at a time.
     table = {**common, "total_num_kv_heads": p.total_num_kv_heads, "kv_memory_layout": "NHD",
              "groups": [{"name": "kv", "kind": "full_attention", "num_layers": layers, "head_size": sizes[0],
                          "head_size_v": sizes[1]}]}

@@ -160,10 +160,11 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """LBHNC (heads outside tokens in a block) for attention models, as NixlConnector asks:
         a TP pair that splits heads reads each head's rows of a block as one run, which
-        LBNHC (NHD, GPU backends' first choice) interleaves token by token; kvsvc refuses
-        such a pair under NHD. None for MLA, whose latent has no head axis. vLLM drops the
-        request, with a warning, where the attention backend cannot use LBHNC; the layout
-        then read from the tensors serves equal TP pairs."""
+        LBNHC (NHD, GPU backends' first choice) interleaves token by token, so that kvsvc
+        reads such a pair a token row at a time (a block's tokens times more descriptors).
+        None for MLA, whose latent has no head axis. vLLM drops the request, with a warning,
+        where the attention backend cannot use LBHNC; the layout read from the tensors then
+        still pairs with any TP size and with engines that did take LBHNC."""
         model_config = getattr(vllm_config, "model_config", None)
         if model_config is None or getattr(model_config, "use_mla", False):
             return None

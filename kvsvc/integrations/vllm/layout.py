@@ -5,7 +5,8 @@ allocated, never from a copy. vLLM 0.32 hands every backend, CPU and GPU alike, 
 the logical view [blocks, heads, tokens, head_size + head_size_v] (K and V packed per token
 inside each head: kvsvc's packed_kv) whose strides carry the resolved KV cache layout:
 LBHNC (heads outside tokens: HND, what the connector asks for, since a TP pair that
-splits heads needs each head's rows contiguous) or LBNHC (NHD: equal TP only). MLA is the
+splits heads then reads a head's rows of a block as one run) or LBNHC (NHD: such a pair
+reads a token row at a time, more descriptors for the same bytes). MLA is the
 latent [blocks, tokens, head_size] (or with a head axis of one). Also read: the split K/V
 tensors [2, blocks, tokens, heads, head_size] some backends allocate.
 
