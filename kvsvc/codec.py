@@ -133,7 +133,8 @@ def layout_to_proto(layout: EngineLayout) -> pb.KvLayout:
         block_size_tokens=layout.block_size, num_blocks=layout.num_blocks,
         kv_memory_layout=_MEM[layout.kv_memory_layout], region_layout=_REG[layout.region_layout],
         groups=[pb.KvCacheGroup(name=g.name, spec=spec_to_proto(g.spec),
-                                layer_names=[] if isinstance(g.spec, UniformTypeKVCacheSpecs) else list(g.layer_names))
+                                layer_names=[] if isinstance(g.spec, UniformTypeKVCacheSpecs) else list(g.layer_names),
+                                num_blocks=g.num_blocks)
                 for g in layout.groups],
         dcp_size=layout.dcp_size,
     )
@@ -146,7 +147,7 @@ def layout_from_proto(msg: pb.KvLayout, field: str = "layout", tp_size: int | No
     reg = _enum(_REG_BACK, msg.region_layout, f"{field}.region_layout", "RegionLayout")
     groups = tuple(
         KVCacheGroup(g.name or f"g{i}", spec_from_proto(g.spec, msg.block_size_tokens, f"{field}.groups[{i}].spec"),
-                     tuple(g.layer_names))
+                     tuple(g.layer_names), g.num_blocks)
         for i, g in enumerate(msg.groups)
     )
     layout = EngineLayout(msg.model_id, msg.total_num_kv_heads, msg.block_size_tokens, msg.num_blocks, groups,
@@ -165,6 +166,9 @@ def _check_layout_sizes(msg: pb.KvLayout, field: str) -> None:
         raise too_big(f"{field}.dcp_size", msg.dcp_size, MAX_TP_SIZE, "ranks")
     if msg.num_blocks > MAX_NUM_BLOCKS:
         raise too_big(f"{field}.num_blocks", msg.num_blocks, MAX_NUM_BLOCKS, "blocks")
+    for i, g in enumerate(msg.groups):
+        if g.num_blocks > MAX_NUM_BLOCKS:
+            raise too_big(f"{field}.groups[{i}].num_blocks", g.num_blocks, MAX_NUM_BLOCKS, "blocks")
     for name in ("total_num_kv_heads", "block_size_tokens"):
         if getattr(msg, name) > MAX_DIM:
             raise too_big(f"{field}.{name}", getattr(msg, name), MAX_DIM, "")

@@ -16,8 +16,8 @@ GROUP_KINDS = (*BY_TABLE_KIND, "uniform")
 # The keys each table may have beside its kind's (kinds.py): any other is named, not ignored.
 LAYOUT_KEYS = frozenset({"model_id", "total_num_kv_heads", "block_size", "num_blocks", "dtype", "groups",
                          "kv_memory_layout", "region_layout", "dcp_size"})
-_GROUP_EXTRA_KEYS = frozenset({"name", "num_layers"})  # a group's own, beside its kind's
-_UNIFORM_KEYS = frozenset({"name", "kind", "layers"})
+_GROUP_EXTRA_KEYS = frozenset({"name", "num_layers", "num_blocks"})  # a group's own, beside its kind's
+_UNIFORM_KEYS = frozenset({"name", "kind", "layers", "num_blocks"})
 _ANY_LEAF_KEYS = frozenset().union(*(p.table_keys for p in KINDS))
 
 
@@ -60,12 +60,14 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
                 inner.append((f"layers.{layer_no}", _leaf_spec(ld, heads=heads, tp_size=tp_size, block=block,
                                                                dtype=dtype, where=f"{where}.layers[{li}]")))
                 layer_no += 1
-            groups.append(KVCacheGroup(name, UniformTypeKVCacheSpecs(block, tuple(inner))))
+            groups.append(KVCacheGroup(name, UniformTypeKVCacheSpecs(block, tuple(inner)),
+                                       num_blocks=int(g.get("num_blocks", 0))))
             continue
         spec = _leaf_spec(g, heads=heads, tp_size=tp_size, block=block, dtype=dtype, where=where,
                           extra=_GROUP_EXTRA_KEYS)
         n = int(g.get("num_layers", 1))
-        groups.append(KVCacheGroup(name, spec, tuple(f"layers.{layer_no + i}" for i in range(n))))
+        groups.append(KVCacheGroup(name, spec, tuple(f"layers.{layer_no + i}" for i in range(n)),
+                                   int(g.get("num_blocks", 0))))
         layer_no += n
     layout = EngineLayout(
         model_id=str(d.get("model_id", "kvsvc-tiny")),

@@ -16,11 +16,16 @@ from kvsvc.reasons import Reason
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroup:
-    """Layers sharing one block table. layer_names is empty for a uniform-type spec."""
+    """Layers sharing one block table. layer_names is empty for a uniform-type spec.
+
+    num_blocks: the group's own block count where its pool is not the layout's size (an
+    engine with separate pools per group, such as SGLang's sliding-window pool beside the
+    full one); 0: the layout's num_blocks."""
 
     name: str
     spec: KVCacheSpec
     layer_names: tuple[str, ...] = ()
+    num_blocks: int = 0
 
     def layers(self) -> Iterator[tuple[str, KVCacheSpec]]:
         """(layer name, leaf spec) in layer order."""
@@ -77,6 +82,10 @@ class EngineLayout:
         fams = [g.family for g in self.groups if g.family is not SpecFamily.SSM]
         return bool(fams) and all(f is SpecFamily.MLA for f in fams)
 
+    def group_blocks(self, group: int) -> int:
+        """Blocks in each region of group `group` (block ids of the group are below this)."""
+        return self.groups[group].num_blocks or self.num_blocks
+
     @property
     def num_layers(self) -> int:
         return sum(1 for g in self.groups for _ in g.layers())
@@ -101,6 +110,8 @@ class EngineLayout:
             except InvalidArgument as e:
                 bad.append(FieldViolation(where + ".spec", e.message))
                 continue
+            if group.num_blocks < 0:
+                bad.append(FieldViolation(where + ".num_blocks", "must be positive (or 0: the layout's)"))
             layers = list(group.layers())
             if not layers:
                 bad.append(FieldViolation(where, f"group {group.name!r} has no layers"))

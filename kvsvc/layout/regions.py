@@ -60,9 +60,9 @@ def build_pool_layout(layout: EngineLayout) -> PoolLayout:
     """Place every region of one rank, region-major over groups and layers."""
     regions: list[Region] = []
     cursor = 0
-    nb = layout.num_blocks
 
     for gi, group in enumerate(layout.groups):
+        nb = layout.group_blocks(gi)
         for name, spec in group.layers():
             for alloc in policy_of(spec).allocations(spec, layout.memory_order, layout.region_layout):
                 for part in alloc.parts:

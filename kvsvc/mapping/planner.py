@@ -239,8 +239,8 @@ def prepare_blocks(
     dcp: list[DcpGroup | None] = []
     for g in range(ngroups):
         lids, rids = _as_ids(local_block_ids[g]), _as_ids(remote_block_ids[g])
-        check_block_ids(lids, lay.num_blocks, side="local", group=g)
-        check_block_ids(rids, rlay.num_blocks, side="remote", group=g)
+        check_block_ids(lids, lay.group_blocks(g), side="local", group=g)
+        check_block_ids(rids, rlay.group_blocks(g), side="remote", group=g)
         ssm = lay.groups[g].family is SpecFamily.SSM
         if with_dcp and not ssm:
             # Pairs depend on the local and the remote rank: kept in position order, paired per rank.

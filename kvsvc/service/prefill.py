@@ -134,7 +134,7 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
                               f"{len(node.layout.groups)}", {"given_groups": len(groups),
                                                              "layout_groups": len(node.layout.groups)})
     for g, ids in enumerate(groups):
-        check_block_ids(np.asarray(ids, np.int64), node.layout.num_blocks, side="local", group=g)
+        check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
     _check_num_tokens(node, req.num_tokens, groups)
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
                                 num_tokens=req.num_tokens)

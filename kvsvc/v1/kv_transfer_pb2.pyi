@@ -411,14 +411,16 @@ class KvCacheSpec(_message.Message):
     def __init__(self, full_attention: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., mla_attention: _Optional[_Union[MlaAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., uniform_type: _Optional[_Union[UniformTypeSpecs, _Mapping]] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("name", "spec", "layer_names")
+    __slots__ = ("name", "spec", "layer_names", "num_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     spec: KvCacheSpec
     layer_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[KvCacheSpec, _Mapping]] = ..., layer_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_blocks: int
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[KvCacheSpec, _Mapping]] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("model_id", "total_num_kv_heads", "block_size_tokens", "num_blocks", "kv_memory_layout", "region_layout", "groups", "dcp_size")

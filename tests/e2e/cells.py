@@ -86,6 +86,10 @@ FAST: list[Cell] = [
     # sliding window next to full attention
     Cell("swa-p2-2-1", "sliding window", 2, 1, gqa(4, extra=[SWA]), p_ids=[[1, 2], [3, 4]], d_ids=[[5, 6], [7, 8]]),
     Cell("swa-d2-1-2", "sliding window", 1, 2, gqa(4, extra=[SWA]), p_ids=[[1, 2], [3, 4]], d_ids=[[5, 6], [7, 8]]),
+    # A pool of its own per group (SGLang's sliding-window pool is smaller than its full one),
+    # sized differently on P and D; the window group lists only its window's blocks.
+    Cell("swa-own-pool-p2-2-1", "sliding window / pool per group", 2, 1, gqa(4, extra=[dict(SWA, num_blocks=6)]),
+         gqa(4, nb=40, extra=[dict(SWA, num_blocks=12)]), p_ids=[[1, 2, 30, 31], [5, 3]], d_ids=[[5, 6, 38, 39], [11, 10]]),
     # grouped specs (DeepSeek-V4-like: MLA layers with different page sizes)
     Cell("dsv4-p2-2-1", "grouped specs", 2, 1, layout_table(groups=DSV4)),
     Cell("dsv4-d2-1-2", "grouped specs", 1, 2, layout_table(groups=DSV4)),

@@ -149,3 +149,27 @@ def test_unknown_layout_keys_are_named_not_ignored(table, where, unknown):
         layout_from_dict(table, 1)
     assert e.value.reason == "UNKNOWN_LAYOUT_KEY"
     assert e.value.metadata == {"where": where, "unknown": unknown}
+
+
+def test_a_group_may_have_a_pool_of_its_own_size():
+    """SGLang's sliding-window pool holds fewer pages than its full pool: the group's regions
+    get its block count, and its block ids are checked against it (not the layout's)."""
+    from kvsvc.codec import layout_from_proto, layout_to_proto
+    from kvsvc.errors import InvalidArgument
+    from kvsvc.layout.regions import build_pool_layout
+    from kvsvc.mapping import Side, plan_rank
+
+    swa = {"name": "swa", "kind": "sliding_window", "num_layers": 1, "head_size": 4, "sliding_window": 8,
+           "num_blocks": 6}
+    lay = simple_layout(tp_size=1, num_blocks=32, extra_groups=[swa])
+    assert [lay.group_blocks(g) for g in range(2)] == [32, 6]
+    assert {r.group_index: r.num_blocks for r in build_pool_layout(lay).regions} == {0: 32, 1: 6}
+    assert layout_from_proto(layout_to_proto(lay), tp_size=1) == lay
+    side = Side.of(lay, 1)
+    plan_rank(side, side, 0, [[31], [5]], [[30], [4]])
+    with pytest.raises(InvalidArgument) as e:
+        plan_rank(side, side, 0, [[31], [6]], [[30], [4]])
+    assert e.value.reason == "BLOCK_OUT_OF_RANGE" and e.value.metadata["num_blocks"] == "6"
+    with pytest.raises(InvalidArgument) as e:
+        simple_layout(tp_size=1, extra_groups=[{**swa, "num_blocks": -1}])
+    assert "num_blocks" in str(e.value)
