@@ -7,6 +7,7 @@ The whole backend runs against real SGLang servers in tests/sglang."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from kvsvc.client import Client
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.sglang.embedded import EmbeddedServer
-from kvsvc.integrations.sglang.layout import SGLangPools, describe
+from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
 from kvsvc.leases.table import LeaseState
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -61,9 +62,9 @@ def pair():
 
 def test_p_leases_d_pulls_the_pages_and_p_hears_consumed(pair):
     p, d, p_bufs, d_bufs, released, done = pair
-    params = p.lease("sglang-1", [3, 4, 5], TOKEN)
+    params = p.lease("sglang-1", [[3, 4, 5]], TOKEN)
     assert [s.address for s in params.remote_servers] == [p.address]
-    resp = d.transfer("sglang-1", params, [9, 10, 11], 30).result(30)
+    resp = d.transfer("sglang-1", params, [[9, 10, 11]], 30).result(30)
     assert resp.total_bytes == 3 * 2 * LAYERS * HEADS * HEAD_DIM * 2
     for pb_, db in zip(p_bufs, d_bufs, strict=True):
         assert np.array_equal(db[[9, 10, 11]], pb_[[3, 4, 5]])
@@ -72,12 +73,47 @@ def test_p_leases_d_pulls_the_pages_and_p_hears_consumed(pair):
     assert p.final_state("sglang-1") is LeaseState.CONSUMED
 
 
+def test_a_hybrid_swa_models_window_pages_move_from_their_own_pool():
+    """A hybrid-SWA model: full pages from the KV pool and the window's pages from the
+    sliding-window pool (smaller, its page ids its own), in one lease and one transfer."""
+    windows = []
+    for seed in (5, None):
+        rng = np.random.default_rng(seed)
+        bufs = [rng.integers(0, 255, (6, HEADS * HEAD_DIM * 2), dtype=np.uint8) if seed is not None
+                else np.zeros((6, HEADS * HEAD_DIM * 2), np.uint8) for _ in range(2 * LAYERS)]
+        windows.append((SGLangWindowPool([b.ctypes.data for b in bufs], [b.nbytes for b in bufs],
+                                         [b.shape[1] for b in bufs], 4), bufs))
+    (p_pools, p_bufs), (d_pools, d_bufs) = pools(1), pools(None)
+    p = EmbeddedServer(engine_id="sglang-prefill-swa", role=Role.PREFILL, tp_rank=0, tp_size=1, host="127.0.0.1",
+                       description=describe(dataclasses.replace(p_pools, swa=windows[0][0])))
+    d = EmbeddedServer(engine_id="sglang-decode-swa", role=Role.DECODE, tp_rank=0, tp_size=1, host="127.0.0.1",
+                       description=describe(dataclasses.replace(d_pools, swa=windows[1][0])))
+    p.start()
+    d.start()
+    try:
+        params = p.lease("sglang-swa", [[3, 4, 5, 12], [5, 1]], TOKEN)
+        resp = d.transfer("sglang-swa", params, [[9, 10, 11, 15], [2, 4]], 30).result(30)
+        row = HEADS * HEAD_DIM * 2
+        assert resp.total_bytes == (4 + 2) * 2 * LAYERS * row
+        for pb_, db in zip(p_bufs, d_bufs, strict=True):
+            assert np.array_equal(db[[9, 10, 11, 15]], pb_[[3, 4, 5, 12]])
+        for pb_, db in zip(windows[0][1], windows[1][1], strict=True):
+            assert np.array_equal(db[[2, 4]], pb_[[5, 1]])
+            assert not db[[0, 1, 3, 5]].any()
+        with pytest.raises(KvsvcError) as e:  # page 6 is past the window pool's 6 pages
+            p.lease("sglang-swa-2", [[3], [6]], TOKEN)
+        assert e.value.reason == "BLOCK_OUT_OF_RANGE"
+    finally:
+        d.stop()
+        p.stop()
+
+
 def test_a_withdrawn_lease_fails_ds_transfer_typed_and_nothing_writes_after(pair):
     p, d, _, d_bufs, released, _ = pair
-    params = p.lease("sglang-2", [1, 2], TOKEN)
+    params = p.lease("sglang-2", [[1, 2]], TOKEN)
     assert p.withdraw("sglang-2", TOKEN) is True
     with pytest.raises(KvsvcError) as e:
-        d.transfer("sglang-2", params, [1, 2], 30).result(30)
+        d.transfer("sglang-2", params, [[1, 2]], 30).result(30)
     assert e.value.reason.startswith("LEASE_")
     # D may have read before its claim was refused (kvsvc reads while it claims): the pages'
     # content is then void, and the failure says so; nothing may write into them after it.
@@ -90,7 +126,7 @@ def test_a_withdrawn_lease_fails_ds_transfer_typed_and_nothing_writes_after(pair
 
 def test_a_claimed_lease_is_not_withdrawn_and_its_release_comes_later(pair):
     p, _, _, _, released, done = pair
-    params = p.lease("sglang-3", [1], TOKEN)
+    params = p.lease("sglang-3", [[1]], TOKEN)
     claim = uuid.uuid4().hex
     with Client(p.address) as c:
         c.claim_lease(pb.ClaimLeaseRequest(request_id="sglang-3", lease_epoch=params.remote_epoch,
@@ -104,8 +140,8 @@ def test_a_claimed_lease_is_not_withdrawn_and_its_release_comes_later(pair):
 
 def test_a_cancelled_transfer_ends_once_settled_and_gives_p_its_lease_back(pair):
     p, d, _, d_bufs, released, done = pair
-    params = p.lease("sglang-4", list(range(1, 9)), TOKEN)
-    fut = d.transfer("sglang-4", params, list(range(1, 9)), 30)
+    params = p.lease("sglang-4", [list(range(1, 9))], TOKEN)
+    fut = d.transfer("sglang-4", params, [list(range(1, 9))], 30)
     d.cancel("sglang-4")  # at once: before its task ran, or while it runs
     deadline = time.monotonic() + 30
     while not fut.done():
@@ -129,10 +165,10 @@ def test_releases_missed_while_the_release_watch_was_behind_are_reported_once(pa
     reported once each, and later releases come through the new subscription as before. A
     withdrawn lease is not announced, and not waited for."""
     p, _, _, _, released, _ = pair
-    p.lease("taken-back", [9], TOKEN)
+    p.lease("taken-back", [[9]], TOKEN)
     assert p.withdraw("taken-back", TOKEN)
     for i in range(3):
-        p.lease(f"gap-{i}", [i + 1], TOKEN, ttl_ms=300)
+        p.lease(f"gap-{i}", [[i + 1]], TOKEN, ttl_ms=300)
 
     async def choke() -> None:
         for sub in list(p.server.node.leases._watchers):
@@ -142,7 +178,7 @@ def test_releases_missed_while_the_release_watch_was_behind_are_reported_once(pa
     deadline = time.monotonic() + 10
     while len(released) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    p.lease("after", [7], TOKEN, ttl_ms=300)
+    p.lease("after", [[7]], TOKEN, ttl_ms=300)
     while len(released) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)  # a duplicate would come right behind

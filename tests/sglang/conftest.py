@@ -10,6 +10,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 collect_ignore_glob = [] if importlib.util.find_spec("sglang") else ["test_*.py"]
 
 if not collect_ignore_glob:
@@ -21,3 +23,11 @@ if not collect_ignore_glob:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import sglang.srt.disaggregation.common.staging_buffer  # noqa: F401  (its warnings, once, here)
+
+
+@pytest.fixture(scope="module")
+def kvsvc_env(tmp_path_factory) -> dict[str, str]:
+    """The embedded kvsvc servers serve their metrics (KVSVC_SGLANG_CONFIG: a kvsvc TOML)."""
+    config = tmp_path_factory.mktemp("kvsvc-config") / "kvsvc.toml"
+    config.write_text('[server]\nmetrics_listen = "127.0.0.1:0"\n')
+    return {"KVSVC_SGLANG_CONFIG": str(config)}

@@ -46,14 +46,6 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def kvsvc_env(tmp_path_factory) -> dict[str, str]:
-    """The embedded kvsvc servers serve their metrics (KVSVC_SGLANG_CONFIG: a kvsvc TOML)."""
-    config = tmp_path_factory.mktemp("kvsvc-config") / "kvsvc.toml"
-    config.write_text('[server]\nmetrics_listen = "127.0.0.1:0"\n')
-    return {"KVSVC_SGLANG_CONFIG": str(config)}
-
-
 class PD:
     """A prefill server, a decode server and SGLang's router in front of them."""
 

@@ -4,12 +4,14 @@ against real SGLang servers in tests/sglang."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from kvsvc.errors import FailedPrecondition
 from kvsvc.integrations.sglang import wire
-from kvsvc.integrations.sglang.layout import SGLangPools, describe
+from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
 from kvsvc.layout.build import layout_from_dict
 from kvsvc.layout.regions import RegionKind, build_pool_layout
 from kvsvc.memory.pools import RegionBuffersPool
@@ -43,6 +45,28 @@ def test_an_mha_pool_is_split_kv_layer_by_layer_over_sglangs_own_memory():
     assert spec.head_size == 16 and spec.num_kv_heads == 2
 
 
+def test_a_sliding_window_pool_is_a_second_group_with_its_own_page_count():
+    """A hybrid-SWA model: full layers in the KV pool, window layers in SGLang's SWA state
+    component, a smaller pool; its regions follow the full ones, over its own buffers."""
+    pools, _ = mha(layers=2, pages=9)
+    swa_bufs = [np.zeros((5, 2 * 8 * 2), np.uint8) for _ in range(4)]  # 2 layers' K, then V: 5 pages
+    pools = dataclasses.replace(pools, swa=SGLangWindowPool([b.ctypes.data for b in swa_bufs],
+                                                            [b.nbytes for b in swa_bufs],
+                                                            [b.shape[1] for b in swa_bufs], 32))
+    d = describe(pools)
+    layout = layout_from_dict(d.table, 2)
+    assert [(g.name, layout.group_blocks(i)) for i, g in enumerate(layout.groups)] == [("kv", 9), ("swa", 5)]
+    assert layout.groups[1].spec.sliding_window == 32
+    regions = build_pool_layout(layout).regions
+    assert [(r.group_index, r.kind, r.num_blocks) for r in regions] == [
+        (0, RegionKind.KEY, 9), (0, RegionKind.VALUE, 9), (0, RegionKind.KEY, 9), (0, RegionKind.VALUE, 9),
+        (1, RegionKind.KEY, 5), (1, RegionKind.VALUE, 5), (1, RegionKind.KEY, 5), (1, RegionKind.VALUE, 5)]
+    assert [r.address for r in d.buffers[4:]] == [swa_bufs[0].ctypes.data, swa_bufs[2].ctypes.data,
+                                                  swa_bufs[1].ctypes.data, swa_bufs[3].ctypes.data]
+    pool = RegionBuffersPool(0, regions, d.buffers)
+    assert [pool.region_address(r) for r in regions] == [b.address for b in d.buffers]
+
+
 def test_one_token_pages_split_heads_between_tp_sizes_larger_pages_do_not():
     assert layout_from_dict(describe(mha(page=1)[0]).table, 2).memory_order.value == "HND"
     assert layout_from_dict(describe(mha(page=4)[0]).table, 2).memory_order.value == "NHD"
@@ -65,7 +89,7 @@ def test_an_mla_pool_is_one_latent_region_a_layer():
 @pytest.mark.parametrize("change,reason", [
     (dict(kv_item_lens=[33] * 6), "whole number"),  # lengths not a multiple of the page
     (dict(kv_data_lens=[64] * 6), "different page counts"),
-    (dict(kv_data_ptrs=[1, 2, 3]), "3 buffers"),
+    (dict(kv_data_ptrs=[1, 2, 3]), "3 KV buffers"),
     (dict(page_size=0), "page size"),
 ])
 def test_what_sglang_describes_inconsistently_is_refused_with_the_values(change, reason):

@@ -24,7 +24,11 @@ dead P or a timeout on D waits until the transfer settled); every failure is typ
 mode would need the mirror image of all of it on P. The cost is one message more (READY)
 before the bytes move, against SGLang's push of finished chunks while later ones compute.
 
-Not covered (refused at start with a clear error): hybrid state (Mamba, SWA, DSA), draft
+Hybrid sliding-window models: their window layers live in a pool of their own (SGLang's SWA
+state component), a second kvsvc group; P leases the window's pages SGLang names beside the
+full pages, and D reads them into its own window pages.
+
+Not covered (refused at start with a clear error): other hybrid state (Mamba, DSA...), draft
 KV (speculative decoding), pipeline, context and decode-context parallelism, KV sharding,
 staging buffers, host destinations, and GPU-resident aux buffers.
 """
@@ -46,7 +50,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, StateType
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
     AbortNotification,
@@ -64,7 +68,7 @@ from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.sglang import wire
 from kvsvc.integrations.sglang.embedded import EmbeddedServer
-from kvsvc.integrations.sglang.layout import SGLangPools, describe
+from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
 from kvsvc.leases.table import LeaseState
 
 log = logging.getLogger("sglang.kvsvc")
@@ -100,8 +104,11 @@ def _unsupported(args: KVArgs, mode: DisaggregationMode) -> list[str]:
     """What this backend does not move, from the engine's own description of its state."""
     parallel = get_parallel()
     why = []
-    if getattr(args, "state_types", None):
-        why.append(f"hybrid state ({', '.join(str(getattr(s, 'value', s)) for s in args.state_types)})")
+    others = [s for s in getattr(args, "state_types", None) or [] if s != StateType.SWA]
+    if others:
+        why.append(f"hybrid state ({', '.join(str(getattr(s, 'value', s)) for s in others)})")
+    elif args.state_types and getattr(args, "swa_kv_cache_layout", None) is None:
+        why.append("a sliding-window pool that is not an MHA pool")
     if getattr(args, "num_draft_entries", 0):
         why.append("draft-model KV (speculative decoding)")
     for name, size in (("pipeline", parallel.pp_size), ("context", parallel.attn_cp_size),
@@ -130,6 +137,25 @@ def _total_kv_heads(args: KVArgs, server_args: ServerArgs, is_mla: bool) -> int:
     return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
 
 
+def _window_pool(args: KVArgs, server_args: ServerArgs) -> SGLangWindowPool | None:
+    """The sliding-window pool of a hybrid-SWA model (SGLang's SWA state component), if any."""
+    if StateType.SWA not in (getattr(args, "state_types", None) or []):
+        return None
+    from sglang.srt.configs.model_config import ModelConfig
+
+    i = args.state_types.index(StateType.SWA)
+    window = ModelConfig.from_server_args(server_args).sliding_window_size or 0
+    return SGLangWindowPool(args.state_data_ptrs[i], args.state_data_lens[i], args.state_item_lens[i], int(window))
+
+
+def _window_pages(state_indices: Any, state_types: list[Any]) -> np.ndarray | None:
+    """The window's pages among SGLang's state indices (one entry per state type)."""
+    if state_indices is None or StateType.SWA not in state_types:
+        return None
+    pages = state_indices[state_types.index(StateType.SWA)]
+    return None if pages is None else np.asarray(pages, dtype=np.int64).reshape(-1)
+
+
 def _engine_secret(tp_size: int) -> bytes:
     """A secret every attention-TP rank of this engine holds (lease tokens derive from it, so
     the ranks' leases of one request share a token without a word between them per request)."""
@@ -147,6 +173,7 @@ class _PRoom:
 
     infos: dict[tuple[str, int], wire.Metadata] = dataclasses.field(default_factory=dict)
     pages: list[np.ndarray] = dataclasses.field(default_factory=list)
+    window: np.ndarray | None = None  # a hybrid-SWA model's window pages (with the last chunk)
     leased: bool = False
     aborted: bool = False
 
@@ -158,6 +185,7 @@ class _DRoom:
     pages: np.ndarray
     aux_index: int
     expected: int  # READY messages to wait for: one per P rank D sent METADATA to
+    window: np.ndarray | None = None  # a hybrid-SWA model's window pages
     pieces: dict[int, wire.Ready] = dataclasses.field(default_factory=dict)
     running: Any = None  # the transfer's concurrent future
     fail_after_settle: bool = False  # SGLang failed the room while the transfer ran
@@ -182,7 +210,9 @@ class KvsvcKVManager(CommonKVManager):
         pools = SGLangPools(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, args.page_size,
                             bool(is_mla_backend), _total_kv_heads(args, server_args, bool(is_mla_backend)),
                             self.attn_tp_size, f"{name}|kv={args.kv_cache_dtype_str}",
-                            args.gpu_id if str(server_args.device).startswith("cuda") else None)
+                            args.gpu_id if str(server_args.device).startswith("cuda") else None,
+                            _window_pool(args, server_args))
+        self._windowed = pools.swa is not None
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         role = Role.PREFILL if prefill else Role.DECODE
         where = self.dist_init_addr or self.local_ip
@@ -307,11 +337,22 @@ class KvsvcKVManager(CommonKVManager):
             if room is None:
                 return
             room.pages.append(np.asarray(kv_indices, dtype=np.int64))
+            window = _window_pages(state_indices, self.kv_args.state_types) if is_last_chunk else None
+            if window is not None:
+                room.window = window
         if is_last_chunk:
             assert aux_index is not None, "SGLang passes the aux row with the last chunk"
             # The aux row is read now: the scheduler filled it before this call and may
             # reuse the slot once the request ends.
             self._send_queue.put((bootstrap_room, self._aux_rows(int(aux_index))))
+
+    def _groups(self, pages: np.ndarray, window: np.ndarray | None) -> list[list[int]]:
+        """A request's block ids per kvsvc group: its pages, and for a hybrid-SWA model the
+        window's pages in the sliding-window pool (none where SGLang named none)."""
+        groups = [[int(p) for p in pages]]
+        if self._windowed:
+            groups.append([] if window is None else [int(p) for p in window])
+        return groups
 
     def token(self, room: int) -> str:
         return hmac.new(self._secret, str(room).encode(), hashlib.sha256).hexdigest()[:32]
@@ -331,10 +372,11 @@ class KvsvcKVManager(CommonKVManager):
             if room is None or room.aborted:
                 return  # cleared or aborted before its last chunk: nothing was leased
             pages = np.concatenate(room.pages) if room.pages else np.zeros(0, np.int64)
+            groups = self._groups(pages, room.window)
             room.leased = True
             infos = list(room.infos.values())
         try:
-            params = self.kvsvc.lease(request_id(room_id), [int(p) for p in pages], self.token(room_id), LEASE_TTL_MS)
+            params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), LEASE_TTL_MS)
         except KvsvcError as e:
             with self._lock:
                 room.leased = False
@@ -412,10 +454,11 @@ class KvsvcKVManager(CommonKVManager):
 
     # ---- D -------------------------------------------------------------------------
 
-    def expect(self, room_id: int, pages: Any, aux_index: int | None, p_ranks: int) -> None:
+    def expect(self, room_id: int, pages: Any, aux_index: int | None, p_ranks: int, state_indices: Any) -> None:
         with self._lock:
             self._d_rooms[room_id] = _DRoom(np.asarray(pages, dtype=np.int64),
-                                            -1 if aux_index is None else int(aux_index), p_ranks)
+                                            -1 if aux_index is None else int(aux_index), p_ranks,
+                                            _window_pages(state_indices, self.kv_args.state_types))
 
     def _on_d_message(self, msg: list[bytes]) -> None:
         if not msg:
@@ -450,7 +493,8 @@ class KvsvcKVManager(CommonKVManager):
             return
         aux = min(pieces, key=lambda p: p.p_rank).aux
         started = time.perf_counter()
-        fut = self.kvsvc.transfer(request_id(room_id), params, [int(p) for p in room.pages], TRANSFER_TIMEOUT_S)
+        fut = self.kvsvc.transfer(request_id(room_id), params, self._groups(room.pages, room.window),
+                                  TRANSFER_TIMEOUT_S)
         with self._lock:
             room.running = fut
         super().update_status(room_id, KVPoll.Transferring)
@@ -532,7 +576,7 @@ class KvsvcKVReceiver(CommonKVReceiver):
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
                       decode_prefix_len: int | None = None, *args: Any, **kwargs: Any) -> None:
         if self.bootstrap_infos:
-            self.kv_mgr.expect(self.bootstrap_room, kv_indices, aux_index, len(self.bootstrap_infos))
+            self.kv_mgr.expect(self.bootstrap_room, kv_indices, aux_index, len(self.bootstrap_infos), state_indices)
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
 
     def poll(self) -> KVPoll:

@@ -112,10 +112,12 @@ class EmbeddedServer:
 
     # ---- P -------------------------------------------------------------------------
 
-    def lease(self, request_id: str, pages: Sequence[int], token: str, ttl_ms: int = 0) -> pb.TransferParams:
-        """Lease pages under token on this rank's server; the params name this server alone
-        (D joins the pieces of every P rank it reads). Raises KvsvcError when refused."""
-        req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=[pb.BlockIds(block_ids=pages)],
+    def lease(self, request_id: str, pages: Sequence[Sequence[int]], token: str, ttl_ms: int = 0) -> pb.TransferParams:
+        """Lease pages (one list per group) under token on this rank's server; the params name
+        this server alone (D joins the pieces of every P rank it reads). Raises KvsvcError
+        when refused."""
+        ids = [pb.BlockIds(block_ids=group) for group in pages]
+        req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=ids,
                                       lease_token=token, lease_ttl_ms=ttl_ms)
 
         async def make() -> pb.TransferParams:
@@ -124,7 +126,7 @@ class EmbeddedServer:
             self._unreleased.add(request_id)
             return pb.TransferParams(
                 remote_address=self.address, remote_engine_id=self.engine_id, remote_request_id=request_id,
-                remote_block_ids_per_group=[pb.BlockIds(block_ids=pages)], remote_epoch=self.epoch,
+                remote_block_ids_per_group=ids, remote_epoch=self.epoch,
                 remote_tp_size=self.tp_size, lease_token=token,
                 remote_servers=[pb.EngineServer(address=self.address, ranks=[self.tp_rank], epoch=self.epoch)])
 
@@ -192,11 +194,12 @@ class EmbeddedServer:
 
     # ---- D -------------------------------------------------------------------------
 
-    def transfer(self, request_id: str, params: pb.TransferParams, pages: Sequence[int],
+    def transfer(self, request_id: str, params: pb.TransferParams, pages: Sequence[Sequence[int]],
                  timeout_s: float) -> concurrent.futures.Future[pb.TransferResponse]:
-        """Start reading params' pages into this rank's pages; the future ends only once
-        nothing of the transfer can write into them any more (also when cancelled)."""
-        return self._loop.submit(self._transfer(request_id, params, [list(pages)], timeout_s))
+        """Start reading params' pages into this rank's pages (one list per group); the future
+        ends only once nothing of the transfer can write into them any more (also when
+        cancelled)."""
+        return self._loop.submit(self._transfer(request_id, params, [list(g) for g in pages], timeout_s))
 
     async def _transfer(self, request_id: str, params: pb.TransferParams, pages: list[list[int]],
                         timeout_s: float) -> pb.TransferResponse:

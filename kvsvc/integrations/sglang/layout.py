@@ -5,7 +5,8 @@ then every layer's V buffer (kv_data_ptrs), each a run of pages (kv_item_lens by
 with the tokens of a page outermost and [heads, head_dim] inside each token: NHD. An MLA
 pool has one latent buffer per layer, [tokens, 1, kv_lora_rank + qk_rope_head_dim]. A
 kvsvc block is one SGLang page; its block ids are SGLang's page indices (page 0 is the
-pool's padding page, never handed out).
+pool's padding page, never handed out). A hybrid-SWA model's sliding-window layers live in a
+pool of their own (SGLang's SWA state component), described as a second group.
 
 Pure: reads numbers, imports no SGLang, torch, grpc or NIXL. The layout says the bytes of
 a head's row, not its element type (the table's dtype is uint8 and head_size counts
@@ -37,6 +38,18 @@ class SGLangPools:
     tp_size: int  # attention TP size: heads are split (or replicated) over it
     model_id: str
     device: int | None = None  # CUDA device of the pools; None: host memory
+    swa: SGLangWindowPool | None = None  # the sliding-window pool of a hybrid-SWA model
+
+
+@dataclass(frozen=True)
+class SGLangWindowPool:
+    """A hybrid-SWA model's sliding-window pool: SGLang's SWA state component (its buffers
+    as for the KV pool: every SWA layer's K, then V) and the window in tokens."""
+
+    data_ptrs: Sequence[int]
+    data_lens: Sequence[int]
+    item_lens: Sequence[int]
+    window: int
 
 
 @dataclass
@@ -51,32 +64,59 @@ def _refuse(message: str, **meta: object) -> FailedPrecondition:
     return FailedPrecondition(Reason.UNSUPPORTED_KV_LAYOUT, message, {k: str(v) for k, v in meta.items()})
 
 
-def _ranges(p: SGLangPools) -> list[AddressRange]:
-    n = len(p.kv_data_ptrs)
-    if not n or len(p.kv_data_lens) != n or len(p.kv_item_lens) != n:
-        raise _refuse(f"SGLang described {n} KV buffers with {len(p.kv_data_lens)} lengths and "
-                      f"{len(p.kv_item_lens)} page sizes", buffers=n)
+def _ranges(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], device: int | None,
+            what: str = "KV") -> list[AddressRange]:
+    n = len(ptrs)
+    if not n or len(lens) != n or len(items) != n:
+        raise _refuse(f"SGLang described {n} {what} buffers with {len(lens)} lengths and {len(items)} page sizes",
+                      buffers=n)
     out = []
-    for i, (ptr, length, item) in enumerate(zip(p.kv_data_ptrs, p.kv_data_lens, p.kv_item_lens, strict=True)):
+    for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items, strict=True)):
         if item <= 0 or length % item:
-            raise _refuse(f"KV buffer {i}: {length} bytes is not a whole number of {item}-byte pages",
+            raise _refuse(f"{what} buffer {i}: {length} bytes is not a whole number of {item}-byte pages",
                           buffer=i, bytes=length, page_bytes=item)
-        out.append(AddressRange(int(ptr), int(length) // int(item), int(item), p.device))
+        out.append(AddressRange(int(ptr), int(length) // int(item), int(item), device))
     if len({r.rows for r in out}) != 1:
-        raise _refuse("SGLang's KV buffers hold different page counts: kvsvc describes one page geometry "
-                      "per engine", pages=sorted({r.rows for r in out}))
+        raise _refuse(f"SGLang's {what} buffers hold different page counts: kvsvc describes one page geometry "
+                      "per pool", pages=sorted({r.rows for r in out}))
     return out
 
 
+def _mha_group(ranges: list[AddressRange], page_size: int, heads: int, what: str) -> tuple[dict[str, Any],
+                                                                                          list[AddressRange]]:
+    """A group of MHA layers from SGLang's buffers (every layer's K, then every layer's V) and
+    its buffers in kvsvc's region order (layer by layer, K then V)."""
+    if len(ranges) % 2:
+        raise _refuse(f"an MHA pool gives K and V buffers per layer; SGLang gave {len(ranges)} {what} buffers",
+                      buffers=len(ranges))
+    layers = len(ranges) // 2
+    keys, values = ranges[:layers], ranges[layers:]
+    sizes = []
+    for kind, half in (("K", keys), ("V", values)):
+        row = {r.row_bytes for r in half}
+        if len(row) != 1 or next(iter(row)) % (page_size * heads):
+            raise _refuse(f"{what} {kind} buffers of {sorted(row)} bytes a page do not split into {page_size} "
+                          f"tokens of {heads} heads", page_bytes=sorted(row), page_size=page_size, heads=heads)
+        sizes.append(next(iter(row)) // (page_size * heads))
+    group = {"kind": "full_attention", "num_layers": layers, "head_size": sizes[0], "head_size_v": sizes[1]}
+    return group, [b for pair in zip(keys, values, strict=True) for b in pair]
+
+
 def describe(p: SGLangPools) -> SGLangCacheDescription:
-    """The layout of one SGLang worker's KV pools and the region buffers to register, in place."""
+    """The layout of one SGLang worker's KV pools and the region buffers to register, in place.
+
+    With a sliding-window pool (p.swa) its layers are a second group, "swa", with a block
+    count of its own (SGLang sizes that pool apart from the full one); a request's block ids
+    for it are the pages of the window SGLang sends (its SWA state indices)."""
     if p.page_size <= 0:
         raise _refuse(f"page size {p.page_size}", page_size=p.page_size)
-    ranges = _ranges(p)
+    ranges = _ranges(p.kv_data_ptrs, p.kv_data_lens, p.kv_item_lens, p.device)
     num_pages = ranges[0].rows
     common = {"model_id": p.model_id, "block_size": p.page_size, "num_blocks": num_pages, "dtype": "uint8",
               "region_layout": "split_kv", "dcp_size": 1}
     if p.is_mla:
+        if p.swa is not None:
+            raise _refuse("a sliding-window pool beside an MLA pool")
         latent = {r.row_bytes for r in ranges}
         if len(latent) != 1 or next(iter(latent)) % p.page_size:
             raise _refuse("MLA layers differ in latent size", sizes=sorted(latent))
@@ -84,23 +124,20 @@ def describe(p: SGLangPools) -> SGLangCacheDescription:
         table = {**common, "total_num_kv_heads": 1, "kv_memory_layout": "HND",
                  "groups": [{"name": "mla", "kind": "mla", "num_layers": len(ranges), "head_size": head_bytes}]}
         return SGLangCacheDescription(table, ranges)
-    if len(ranges) % 2:
-        raise _refuse(f"an MHA pool gives K and V buffers per layer; SGLang gave {len(ranges)} buffers",
-                      buffers=len(ranges))
-    layers = len(ranges) // 2
-    keys, values = ranges[:layers], ranges[layers:]
     heads = max(1, p.total_num_kv_heads // p.tp_size)  # SGLang replicates heads when TP > K, as kvsvc does
-    sizes = []
-    for kind, half in (("K", keys), ("V", values)):
-        row = {r.row_bytes for r in half}
-        if len(row) != 1 or next(iter(row)) % (p.page_size * heads):
-            raise _refuse(f"{kind} buffers of {sorted(row)} bytes a page do not split into {p.page_size} tokens of "
-                          f"{heads} heads", page_bytes=sorted(row), page_size=p.page_size, heads=heads)
-        sizes.append(next(iter(row)) // (p.page_size * heads))
+    full, buffers = _mha_group(ranges, p.page_size, heads, "KV")
+    groups = [{"name": "kv", **full}]
+    if p.swa is not None:
+        swa_ranges = _ranges(p.swa.data_ptrs, p.swa.data_lens, p.swa.item_lens, p.device, "sliding-window")
+        swa, swa_buffers = _mha_group(swa_ranges, p.page_size, heads, "sliding-window")
+        if p.swa.window <= 0:
+            raise _refuse(f"sliding window of {p.swa.window} tokens", sliding_window=p.swa.window)
+        if swa["head_size"] != swa.pop("head_size_v"):
+            raise _refuse("sliding-window K and V rows differ in size", key=swa["head_size"])
+        groups.append({"name": "swa", **swa, "kind": "sliding_window", "sliding_window": p.swa.window,
+                       "num_blocks": swa_ranges[0].rows})
+        buffers += swa_buffers
     # One page of one token is the same bytes in NHD and HND (heads contiguous): kvsvc splits
     # heads between TP sizes as for HND; a larger page is read a token row at a time.
-    table = {**common, "total_num_kv_heads": p.total_num_kv_heads, "kv_memory_layout": "NHD",
-             "groups": [{"name": "kv", "kind": "full_attention", "num_layers": layers, "head_size": sizes[0],
-                         "head_size_v": sizes[1]}]}
-    # kvsvc's region order is layer by layer, K then V.
-    return SGLangCacheDescription(table, [b for pair in zip(keys, values, strict=True) for b in pair])
+    table = {**common, "total_num_kv_heads": p.total_num_kv_heads, "kv_memory_layout": "NHD", "groups": groups}
+    return SGLangCacheDescription(table, buffers)

@@ -1,0 +1,98 @@
+"""A hybrid sliding-window model through kvsvc: SGLang keeps its window layers in a pool of
+their own (its SWA state), and D must get the window's pages from P's window pool beside the
+full pages, or its window layers attend to nothing.
+
+The model is a small random-weight Mellum (SGLang's hybrid-SWA list) with dense MLPs: layers
+alternate between a sliding window of 32 tokens and full attention, and most prompts here
+are longer than the window. P TP1 -> D TP1 through kvsvc equals SGLang's aggregated server
+(token ids, and logprobs exactly one request at a time); P TP2 -> D TP1 equals SGLang's own
+NIXL backend on the same pair.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.sglang.served import kvsvc_servers, metric, sglang_server
+from tests.sglang.test_kvsvc_backend import CHUNKED, PD, flush, leases_left, one_by_one
+from tests.sglang.test_sglang_cpu import answers
+from tests.vllm.engines import ROOT
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.full]
+
+WINDOW = 32
+PROMPTS = [
+    "The capital of France is",  # inside the window
+    "Prefill computes the KV cache of a prompt; decode continues from it, one token at a time. " * 3,
+    "one two three four five six seven eight nine ten " * 9,  # over two 64-token prefill chunks
+    "Prefill computes the KV cache of a prompt; decode continues from it, one token at a time. " * 3
+    + "The window slides on.",  # shares a prefix with the second (a radix hit on P)
+    "abc " * 40 + "def",
+]
+
+
+def write_swa_model(path: Path) -> None:
+    import torch
+    from transformers import MellumConfig, MellumForCausalLM
+
+    spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "examples" / "tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    cfg = MellumConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                       sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                       mlp_layer_types=["dense"] * 4, num_local_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    MellumForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    module.write_tokenizer(path, 512)
+
+
+@pytest.fixture(scope="module")
+def swa_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sglang-swa") / "tiny-mellum"
+    write_swa_model(path)
+    return path
+
+
+def test_a_sliding_window_model_through_kvsvc_equals_the_aggregated_server(swa_model, kvsvc_env, tmp_path):
+    agg, _ = sglang_server("sglang-agg", swa_model, tmp_path, extra_args=CHUNKED)
+    try:
+        agg.wait_ready(300)
+        assert "Use sliding window memory pool" in agg.log.read_text(errors="replace")
+        reference = answers(agg, PROMPTS)
+        flush(agg)
+        reference_alone = one_by_one(agg, PROMPTS)
+    finally:
+        agg.stop()
+    with PD(swa_model, tmp_path, "kvsvc", env=kvsvc_env) as pd:
+        got = answers(pd.router, PROMPTS)
+        flush(pd.p, pd.d)
+        alone = one_by_one(pd.router, PROMPTS)
+        assert [ids for ids, _ in got] == [ids for ids, _ in reference]
+        for (_, lps), (_, ref) in zip(got, reference, strict=True):
+            assert lps == pytest.approx(ref, abs=0.02)
+        assert alone == reference_alone
+        (_, d_metrics), = kvsvc_servers(pd.d).values()
+        (_, p_metrics), = kvsvc_servers(pd.p).values()
+        assert metric(d_metrics, "kvsvc_transfers_total", outcome="ok") == 2 * len(PROMPTS)
+        assert metric(p_metrics, "kvsvc_lease_releases_total", reason="consumed") == 2 * len(PROMPTS)
+        assert leases_left(pd) == 0
+        assert "Prefill batch" not in pd.d.log.read_text(errors="replace")  # D decoded from P's KV
+
+
+def test_a_sliding_window_model_across_tp_sizes_equals_sglangs_nixl_backend(swa_model, kvsvc_env, tmp_path):
+    results = {}
+    for backend in ("nixl", "kvsvc"):
+        logs = tmp_path / backend
+        logs.mkdir()
+        with PD(swa_model, logs, backend, 2, 1, env=kvsvc_env) as pd:
+            results[backend] = one_by_one(pd.router, PROMPTS)
+            if backend == "kvsvc":
+                for _, url in kvsvc_servers(pd.p).values():  # every P rank's lease was consumed
+                    assert metric(url, "kvsvc_lease_releases_total", reason="consumed") == len(PROMPTS)
+                assert leases_left(pd) == 0
+    assert results["kvsvc"] == results["nixl"]
