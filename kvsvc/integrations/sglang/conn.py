@@ -216,8 +216,11 @@ class KvsvcKVManager(CommonKVManager):
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         role = Role.PREFILL if prefill else Role.DECODE
         where = self.dist_init_addr or self.local_ip
+        # With data-parallel attention each DP group is an engine of its own (its scheduler,
+        # its pool, its attention-TP ranks 0..n): its servers must not share an identity.
+        dp = f"-dp{self.attn_dp_rank}" if self.attn_dp_size > 1 else ""
         self.kvsvc = EmbeddedServer(
-            engine_id=f"sglang-{role.value}-{where}:{serving.port}", role=role, tp_rank=self.attn_tp_rank,
+            engine_id=f"sglang-{role.value}-{where}:{serving.port}{dp}", role=role, tp_rank=self.attn_tp_rank,
             tp_size=self.attn_tp_size, description=describe(pools), host=self.local_ip,
             config_path=os.environ.get(CONFIG_ENV) or None, on_release=self._released if prefill else None)
         self.kvsvc.start()
