@@ -97,30 +97,41 @@ def leases_left(pd: PD) -> float:
     return sum(metric(url, "kvsvc_live_leases") for _, url in kvsvc_servers(pd.p).values())
 
 
-def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
-    agg, _ = sglang_server("sglang-agg", model, tmp_path, extra_args=CHUNKED)
+def against_aggregated(model: Path, logs: Path, env: dict[str, str], together: list[str], alone: list[str],
+                       check_aggregated: str = "") -> None:
+    """P TP1 -> D TP1 through kvsvc against SGLang's aggregated server: `together` at once
+    (token ids exact, logprobs within bf16 rounding), then `alone` one at a time from empty
+    caches (exact). Every request was one transfer on D and one consumed lease on P, none
+    left, and D prefilled nothing. check_aggregated: a line the aggregated server must log."""
+    agg, _ = sglang_server("sglang-agg", model, logs, extra_args=CHUNKED)
     try:
         agg.wait_ready(300)
-        reference = answers(agg, MORE)
+        assert check_aggregated in agg.log.read_text(errors="replace")
+        reference = answers(agg, together)
         flush(agg)
-        reference_alone = one_by_one(agg, PROMPTS)
+        reference_alone = one_by_one(agg, alone)
     finally:
         agg.stop()
-    with PD(model, tmp_path, "kvsvc", env=kvsvc_env) as pd:
-        got = answers(pd.router, MORE)
+    with PD(model, logs, "kvsvc", env=env) as pd:
+        got = answers(pd.router, together)
         flush(pd.p, pd.d)
-        alone = one_by_one(pd.router, PROMPTS)
+        got_alone = one_by_one(pd.router, alone)
         assert [ids for ids, _ in got] == [ids for ids, _ in reference]
         for (_, lps), (_, ref) in zip(got, reference, strict=True):
             assert lps == pytest.approx(ref, abs=0.02)
-        assert alone == reference_alone
+        assert got_alone == reference_alone
         (_, d_metrics), = kvsvc_servers(pd.d).values()
         (_, p_metrics), = kvsvc_servers(pd.p).values()
-        assert metric(d_metrics, "kvsvc_transfers_total", outcome="ok") == len(MORE) + len(PROMPTS)
+        requests_made = len(together) + len(alone)
+        assert metric(d_metrics, "kvsvc_transfers_total", outcome="ok") == requests_made
         assert metric(d_metrics, "kvsvc_transfers_total", outcome="failed") == 0
-        assert metric(p_metrics, "kvsvc_lease_releases_total", reason="consumed") == len(MORE) + len(PROMPTS)
+        assert metric(p_metrics, "kvsvc_lease_releases_total", reason="consumed") == requests_made
         assert leases_left(pd) == 0
         assert "Prefill batch" not in pd.d.log.read_text(errors="replace")  # D decoded from P's KV
+
+
+def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
+    against_aggregated(model, tmp_path, kvsvc_env, MORE, PROMPTS)
 
 
 @pytest.mark.parametrize("tp_p,tp_d,page", [(2, 1, 1), (1, 2, 1), (2, 1, 16)], ids=["p2-d1", "p1-d2", "p2-d1-page16"])

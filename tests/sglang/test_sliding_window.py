@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.served import kvsvc_servers, metric, sglang_server
-from tests.sglang.test_kvsvc_backend import CHUNKED, PD, flush, leases_left, one_by_one
-from tests.sglang.test_sglang_cpu import answers
+from tests.sglang.served import kvsvc_servers, metric
+from tests.sglang.test_kvsvc_backend import PD, against_aggregated, leases_left, one_by_one
 from tests.vllm.engines import ROOT
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.full]
@@ -59,29 +58,7 @@ def swa_model(tmp_path_factory) -> Path:
 
 
 def test_a_sliding_window_model_through_kvsvc_equals_the_aggregated_server(swa_model, kvsvc_env, tmp_path):
-    agg, _ = sglang_server("sglang-agg", swa_model, tmp_path, extra_args=CHUNKED)
-    try:
-        agg.wait_ready(300)
-        assert "Use sliding window memory pool" in agg.log.read_text(errors="replace")
-        reference = answers(agg, PROMPTS)
-        flush(agg)
-        reference_alone = one_by_one(agg, PROMPTS)
-    finally:
-        agg.stop()
-    with PD(swa_model, tmp_path, "kvsvc", env=kvsvc_env) as pd:
-        got = answers(pd.router, PROMPTS)
-        flush(pd.p, pd.d)
-        alone = one_by_one(pd.router, PROMPTS)
-        assert [ids for ids, _ in got] == [ids for ids, _ in reference]
-        for (_, lps), (_, ref) in zip(got, reference, strict=True):
-            assert lps == pytest.approx(ref, abs=0.02)
-        assert alone == reference_alone
-        (_, d_metrics), = kvsvc_servers(pd.d).values()
-        (_, p_metrics), = kvsvc_servers(pd.p).values()
-        assert metric(d_metrics, "kvsvc_transfers_total", outcome="ok") == 2 * len(PROMPTS)
-        assert metric(p_metrics, "kvsvc_lease_releases_total", reason="consumed") == 2 * len(PROMPTS)
-        assert leases_left(pd) == 0
-        assert "Prefill batch" not in pd.d.log.read_text(errors="replace")  # D decoded from P's KV
+    against_aggregated(swa_model, tmp_path, kvsvc_env, PROMPTS, PROMPTS, "Use sliding window memory pool")
 
 
 def test_a_sliding_window_model_across_tp_sizes_equals_sglangs_nixl_backend(swa_model, kvsvc_env, tmp_path):
