@@ -104,10 +104,11 @@ def _unsupported(args: KVArgs, mode: DisaggregationMode) -> list[str]:
     """What this backend does not move, from the engine's own description of its state."""
     parallel = get_parallel()
     why = []
-    others = [s for s in getattr(args, "state_types", None) or [] if s != StateType.SWA]
+    state_types = getattr(args, "state_types", None) or []
+    others = [s for s in state_types if s != StateType.SWA]
     if others:
         why.append(f"hybrid state ({', '.join(str(getattr(s, 'value', s)) for s in others)})")
-    elif args.state_types and getattr(args, "swa_kv_cache_layout", None) is None:
+    elif state_types and getattr(args, "swa_kv_cache_layout", None) is None:
         why.append("a sliding-window pool that is not an MHA pool")
     if getattr(args, "num_draft_entries", 0):
         why.append("draft-model KV (speculative decoding)")
