@@ -33,7 +33,7 @@ from kvsvc.logs import REQUEST_ID
 from kvsvc.reasons import Reason
 from kvsvc.service.legs import Leg, p_servers, servers_needed, settled
 from kvsvc.service.node import Node
-from kvsvc.service.peers import PeerCache, peer_client_options
+from kvsvc.service.peers import PeerCache, Peers, peer_client_options
 from kvsvc.service.stacks import await_chain
 from kvsvc.service.tracing import Clock, mark_error, record_span, server_span
 from kvsvc.service.transfer_run import MIN_DEADLINE_MARGIN_S, TransferRun
@@ -102,9 +102,9 @@ def _check_request(req: pb.TransferRequest) -> None:
 class Decoder:
     """Runs Transfer RPCs for the D ranks this server hosts, as jobs (see transfers.py)."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, peers: Peers | None = None) -> None:
         self.node = node
-        self.peers = PeerCache(node)
+        self.peers: Peers = peers if peers is not None else PeerCache(node)
         self.jobs = TransferJobs()
         self._background: set[asyncio.Task[None]] = set()
 

@@ -8,7 +8,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -83,6 +85,22 @@ def peer_client_options(node: Node, engine_id: str = "") -> ClientOptions:
     if not cfg.peer_tls_ca_file:
         return opts
     return opts.with_pem_files(cfg.peer_tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file, engine_id or None)
+
+
+class Peers(Protocol):
+    """What the decoder asks of its P servers' cache (PeerCache; tests hand in fakes)."""
+
+    def use(self, address: str, expected_engine_id: str, want_epoch: int) -> AbstractAsyncContextManager[Peer]:
+        """The peer at address with epoch want_epoch, held while the block runs."""
+
+    def listing(self) -> list[Peer]: ...
+
+    async def side_of(self, address: str) -> Side: ...
+
+    @property
+    def cached(self) -> int: ...
+
+    async def close(self) -> None: ...
 
 
 STALE_EPOCHS_KEPT = 64

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 from kvsvc.config import MemoryMode, load_config
 from kvsvc.errors import DeadlineExceeded, ErrorCode, FailedPrecondition, KvsvcError
 from kvsvc.layout import build_pool_layout
 from kvsvc.mapping import Side
-from kvsvc.memory.pools import Pool
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer, RemoteRank
@@ -33,6 +34,15 @@ class FakeData:
         self.flights: list[Flight] = []
         self.aborted: list[Flight] = []
 
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def need_progress(self, delta: int) -> None:
+        pass
+
     async def abort(self, flights: list[Flight]) -> None:
         self.aborted.extend(flights)
 
@@ -47,10 +57,10 @@ class FakeData:
 
 
 class FakePeerClient:
-    def __init__(self) -> None:
+    def __init__(self, data: FakeData) -> None:
         self.notified: list[pb.NotifyRequest] = []
         self.settled_when_notified: list[bool] = []
-        self.data: FakeData | None = None
+        self.data = data
 
     claim_behaviour = "grant"
 
@@ -76,25 +86,54 @@ class FakePeerClient:
         pass
 
 
-@pytest.fixture
-def decoder():
-    node = Node(load_config(listen="127.0.0.1:0", tp_size=1, role=None, memory=MemoryMode.DRAM))
-    node.pools = {0: Pool(0, node.side.pool.size_bytes, 1 << 20)}
-    node.data = FakeData()  # type: ignore[assignment]
-    dec = Decoder(node)
-    client = FakePeerClient()
-    client.data = node.data
-    remote = Side.of(node.layout, 1)
-    regions = build_pool_layout(node.layout).regions
-    peer = Peer("p:1", "P", 42, remote, {0: RemoteRank(0, "P/r0", [(1 << 30) + r.pool_offset for r in regions])},
-                client)  # type: ignore[arg-type]
+class FakePeers:
+    """The decoder's peer cache with one P server already handshaken."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
 
     @contextlib.asynccontextmanager
-    async def use(address, engine, epoch):
-        yield peer
+    async def use(self, address, expected_engine_id, want_epoch):
+        yield self.peer
 
-    dec.peers.use = use  # type: ignore[method-assign]
-    return dec, client, node.data
+    def listing(self) -> list[Peer]:
+        return [self.peer]
+
+    async def side_of(self, address: str) -> Side:
+        return self.peer.side
+
+    @property
+    def cached(self) -> int:
+        return 1
+
+    async def close(self) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def decoder_over(data: FakeData, client: FakePeerClient) -> AsyncIterator[Decoder]:
+    """A started Node over a buffer of its own, with data as its data plane and client's P server."""
+    config = load_config(listen="127.0.0.1:0", tp_size=1, role=None, memory=MemoryMode.DRAM)
+    size = Side.of(config.layout(), 1).pool.size_bytes
+    node = Node(config, external_pools={0: np.zeros(size, np.uint8)}, data_plane=lambda *_: data)
+    await node.start()
+    regions = build_pool_layout(node.layout).regions
+    peer = Peer("p:1", "P", 42, Side.of(node.layout, 1),
+                {0: RemoteRank(0, "P/r0", [(1 << 30) + r.pool_offset for r in regions])}, client)  # type: ignore[arg-type]
+    dec = Decoder(node, peers=FakePeers(peer))
+    try:
+        yield dec
+    finally:
+        await dec.close()
+        await node.close()
+
+
+@pytest.fixture
+async def decoder():
+    data = FakeData()
+    client = FakePeerClient(data)
+    async with decoder_over(data, client) as dec:
+        yield dec, client, data
 
 
 def request() -> pb.TransferRequest:
@@ -244,24 +283,23 @@ class SlowAbortData(FakeData):
 
 
 @pytest.mark.parametrize("cancel_after_s", [0.0, 0.02, 0.06, 0.1])
-async def test_a_cancel_on_the_failure_path_still_waits_for_the_reads(decoder, cancel_after_s):
-    dec, client, _ = decoder
+async def test_a_cancel_on_the_failure_path_still_waits_for_the_reads(cancel_after_s):
     data = SlowAbortData()
-    dec.node.data = data  # type: ignore[assignment]
-    client.data = data
+    client = FakePeerClient(data)
     client.claim_behaviour = "hang"
-    task = asyncio.ensure_future(dec.transfer(request(), 0.1))  # fails at its deadline, READs still running
-    await posted(data)
-    await asyncio.sleep(0.09 + cancel_after_s)  # then the caller cancels, somewhere on the failure path
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, KvsvcError):
-        await task
-    job = dec.jobs.find("d-side-id")
-    assert job is not None
-    settle_later(data, 0.3)
-    state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
-    assert state.state == pb.TRANSFER_STATE_FAILED
-    assert all(f.settled.is_set() for f in data.flights), "reported settled while a READ could still write"
+    async with decoder_over(data, client) as dec:
+        task = asyncio.ensure_future(dec.transfer(request(), 0.1))  # fails at its deadline, READs still running
+        await posted(data)
+        await asyncio.sleep(0.09 + cancel_after_s)  # then the caller cancels, somewhere on the failure path
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, KvsvcError):
+            await task
+        job = dec.jobs.find("d-side-id")
+        assert job is not None
+        settle_later(data, 0.3)
+        state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
+        assert state.state == pb.TRANSFER_STATE_FAILED
+        assert all(f.settled.is_set() for f in data.flights), "reported settled while a READ could still write"
 
 
 class StalledPeerClient(FakePeerClient):
@@ -279,32 +317,23 @@ class StalledPeerClient(FakePeerClient):
 
 
 @pytest.mark.parametrize("deadline_s", [0.3, 1.0])
-async def test_a_stalled_p_still_gets_a_typed_settled_answer_before_the_deadline(decoder, deadline_s):
+async def test_a_stalled_p_still_gets_a_typed_settled_answer_before_the_deadline(deadline_s):
     """The READs end at once but P never answers the claim: the answer (with TransferFailure,
     remote_notified false) comes before the caller's deadline, and P is told in the background."""
-    dec, _, data = decoder
-    stalled = StalledPeerClient()
-    stalled.data = data
-    regions = build_pool_layout(dec.node.layout).regions
-    peer = Peer("p:1", "P", 42, Side.of(dec.node.layout, 1),
-                {0: RemoteRank(0, "P/r0", [(1 << 30) + r.pool_offset for r in regions])}, stalled)  # type: ignore[arg-type]
-
-    @contextlib.asynccontextmanager
-    async def use(address, engine, epoch):
-        yield peer
-
-    dec.peers.use = use  # type: ignore[method-assign]
-    task = asyncio.ensure_future(dec.transfer(request(), deadline_s))
-    await posted(data)
-    complete_later(data, 0.0)
-    try:
-        async with asyncio.timeout(deadline_s):  # the caller's own deadline
-            await task
-    except KvsvcError as e:
-        failure = [d for d in e.details if isinstance(d, pb.TransferFailure)]
-        assert failure and not failure[0].remote_notified, e
-    else:
-        raise AssertionError("a transfer whose claim was never answered succeeded")
-    assert all(f.settled.is_set() for f in data.flights)
-    await asyncio.sleep(0.05)
-    assert [n.kind for n in stalled.notified] == [pb.NOTIFY_KIND_ABORTED], "P is still told to let go"
+    data = FakeData()
+    async with decoder_over(data, StalledPeerClient(data)) as dec:
+        stalled = dec.peers.listing()[0].client
+        task = asyncio.ensure_future(dec.transfer(request(), deadline_s))
+        await posted(data)
+        complete_later(data, 0.0)
+        try:
+            async with asyncio.timeout(deadline_s):  # the caller's own deadline
+                await task
+        except KvsvcError as e:
+            failure = [d for d in e.details if isinstance(d, pb.TransferFailure)]
+            assert failure and not failure[0].remote_notified, e
+        else:
+            raise AssertionError("a transfer whose claim was never answered succeeded")
+        assert all(f.settled.is_set() for f in data.flights)
+        await asyncio.sleep(0.05)
+        assert [n.kind for n in stalled.notified] == [pb.NOTIFY_KIND_ABORTED], "P is still told to let go"
