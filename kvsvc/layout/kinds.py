@@ -92,9 +92,10 @@ class KindPolicy(Generic[S]):
     family: ClassVar[SpecFamily]
     table_kind: ClassVar[str]  # its `kind` in a layout table (TOML, the demo)
     table_keys: ClassVar[frozenset[str]]  # the keys its table may have
-    # A group of this kind may name only the blocks its window covers: its block list is
-    # taken as is, not cut to the request's length.
-    lists_window_only: ClassVar[bool] = False
+    # Its block list follows the request's tokens, a block per block_size of them: cut to
+    # the request's length, and it must cover it. Not so for a sliding-window group (which
+    # may name only its window's blocks) or a state group (a request's state, not its tokens).
+    blocks_cover_tokens: ClassVar[bool] = True
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
@@ -191,7 +192,7 @@ class SlidingWindow(_Attention[SlidingWindowSpec]):
     spec_type = SlidingWindowSpec
     table_kind = "sliding_window"
     table_keys = frozenset({"kind", "dtype", "head_size", "sliding_window"})
-    lists_window_only = True
+    blocks_cover_tokens = False
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
@@ -240,6 +241,7 @@ class Mamba(KindPolicy[MambaSpec]):
     family = SpecFamily.SSM
     table_kind = "mamba"
     table_keys = frozenset({"kind", "dtype", "states"})
+    blocks_cover_tokens = False
     state_keys = frozenset({"shape", "dtype"})
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,

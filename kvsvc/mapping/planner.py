@@ -251,8 +251,7 @@ def prepare_blocks(
             dcp.append(grp)
             continue
         dcp.append(None)
-        if remote_num_tokens and not ssm and not policy_of(lay.groups[g].spec_type).lists_window_only:
-            # (A sliding-window group may list only its window's blocks: its list is taken as is.)
+        if remote_num_tokens and policy_of(lay.groups[g].spec_type).blocks_cover_tokens:
             rids = _request_part(rids, remote_num_tokens, rlay.block_size, g)
         rids, prefix = trim_prefix(lids, rids, 1 if ssm else n, group=g, ssm=ssm)
         if n == 1 or ssm:

@@ -12,7 +12,7 @@ from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout
 from kvsvc.config import Role
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
 from kvsvc.layout.compat import compatibility_hash
-from kvsvc.layout.specs import SlidingWindowSpec, SpecFamily
+from kvsvc.layout.kinds import policy_of
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, SubscriberBehind, monotonic_to_unix_ms
 from kvsvc.limits import (
     MAX_DIGEST_BYTES,
@@ -152,8 +152,7 @@ def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> N
         return
     needed = -(-request_blocks(num_tokens, node.layout.block_size) // dcp)
     for g, (group, ids) in enumerate(zip(node.layout.groups, groups, strict=True)):
-        if group.family is not SpecFamily.SSM and not issubclass(group.spec_type, SlidingWindowSpec) and \
-                len(ids) < needed:  # a sliding-window group may list only its window
+        if policy_of(group.spec_type).blocks_cover_tokens and len(ids) < needed:
             raise InvalidArgument(
                 Reason.BLOCK_COUNT_MISMATCH, f"group {g}: {num_tokens} tokens need {needed} block ids per rank (block size "
                 f"{node.layout.block_size}, DCP {dcp}), got {len(ids)}",
