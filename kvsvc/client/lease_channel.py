@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
@@ -39,6 +39,18 @@ from kvsvc.framing import LEASE_SOCKET_NAME, socket_path_of
 from kvsvc.limits import MAX_LEASE_CALLS
 from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
+
+
+class LeaseCalls(Protocol):
+    """What a D server asks of a P server's leases, on whatever carries it: a LeaseChannel
+    (a stream, on gRPC or a same-host socket), or an AsyncClient's unary calls."""
+
+    async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
+                          traceparent: str = "") -> pb.ClaimLeaseResponse: ...
+
+    async def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
+                     traceparent: str = "") -> pb.NotifyResponse: ...
+
 
 log = logging.getLogger(__name__)
 

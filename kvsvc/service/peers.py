@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from kvsvc.client import AsyncClient, ClientOptions
-from kvsvc.client.lease_channel import LeaseChannel
+from kvsvc.client.lease_channel import LeaseCalls, LeaseChannel
 from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError, Unavailable, Unreachable
 from kvsvc.limits import check_tp_size
@@ -61,7 +61,7 @@ class Peer:
     lease: LeaseChannel | None = None
 
     @property
-    def lease_calls(self) -> LeaseChannel | AsyncClient:
+    def lease_calls(self) -> LeaseCalls:
         """Where ClaimLease and Notify go: the peer's LeaseChannel (else unary calls)."""
         return self.lease if self.lease is not None else self.client
 
