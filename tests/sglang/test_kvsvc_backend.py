@@ -51,13 +51,13 @@ class PD:
 
     def __init__(self, model: Path, logs: Path, backend: str, tp_p: int = 1, tp_d: int = 1,
                  env: dict[str, str] | None = None, router_args: tuple[str, ...] = (),
-                 server_args: tuple[str, ...] = ()) -> None:
-        """server_args: given to both servers (e.g. a page size)."""
+                 server_args: tuple[str, ...] = (), d_args: tuple[str, ...] = ()) -> None:
+        """server_args: given to both servers (e.g. a page size); d_args: to D alone."""
         (self.p, self.bootstrap), (self.d, _) = (
             sglang_server("sglang-p", model, logs, mode="prefill", backend=backend, tp=tp_p,
                           extra_args=(*CHUNKED, *server_args), env=env),
-            sglang_server("sglang-d", model, logs, mode="decode", backend=backend, tp=tp_d, extra_args=server_args,
-                          env=env))
+            sglang_server("sglang-d", model, logs, mode="decode", backend=backend, tp=tp_d,
+                          extra_args=(*server_args, *d_args), env=env))
         self.procs: list[Served] = [self.p, self.d]
         self.logs = logs
         try:
