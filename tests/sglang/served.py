@@ -52,6 +52,11 @@ def sglang_server(name: str, model: Path, logs: Path, *, mode: str | None = None
     return Served(name, argv, logs, port, env), bootstrap
 
 
+# The router registers its workers after they are up (it asks each for its connection mode
+# and loads the tokenizer); on two busy cores that once took over a minute.
+ROUTER_READY_S = 180
+
+
 def sglang_router(logs: Path, prefill: Served, bootstrap: int, decode: Served, name: str = "sglang-router",
                   extra_args: tuple[str, ...] = ()) -> Served:
     port = _free_port()

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.sglang.served import generate, greedy, kvsvc_servers, metric, sglang_router, sglang_server
+from tests.sglang.served import ROUTER_READY_S, generate, greedy, kvsvc_servers, metric, sglang_router, sglang_server
 from tests.sglang.test_sglang_cpu import PROMPTS, answers, write_model
 from tests.vllm.served import Served
 
@@ -65,7 +65,7 @@ class PD:
             self.d.wait_ready(300)
             self.router = sglang_router(logs, self.p, self.bootstrap, self.d, extra_args=router_args)
             self.procs.append(self.router)
-            self.router.wait_ready(60)
+            self.router.wait_ready(ROUTER_READY_S)
         except BaseException:
             self.stop()
             raise
@@ -263,6 +263,6 @@ def test_a_killed_prefill_leaves_decode_clean_and_serving(model, kvsvc_env, tmp_
         p2.wait_ready(300)
         router2 = sglang_router(tmp_path, p2, bootstrap2, pd.d, name="sglang-router2")
         pd.procs.append(router2)
-        router2.wait_ready(60)
+        router2.wait_ready(ROUTER_READY_S)
         assert generate(router2, greedy(PROMPTS[0], 8))["output_ids"] == before["output_ids"]
         _d_is_clean(pd)

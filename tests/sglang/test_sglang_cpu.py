@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.served import generate, greedy, sglang_router, sglang_server
+from tests.sglang.served import ROUTER_READY_S, generate, greedy, sglang_router, sglang_server
 from tests.vllm.engines import ROOT
 from tests.vllm.served import Served
 
@@ -60,7 +60,7 @@ def test_sglang_pd_with_its_nixl_backend_equals_its_aggregated_server(model, tmp
         d.wait_ready(300)
         router = sglang_router(tmp_path, p, bootstrap, d)
         procs.append(router)
-        router.wait_ready(60)
+        router.wait_ready(ROUTER_READY_S)
         got = answers(router, PROMPTS)
         assert [ids for ids, _ in got] == [ids for ids, _ in reference]
         # Logprobs to within bfloat16 rounding: these requests run concurrently, and SGLang's
