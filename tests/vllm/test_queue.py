@@ -1,7 +1,7 @@
 """Requests that wait in D's queue longer than P's lease still load, with vLLM's defaults.
 
 D runs one request at a time (max_num_seqs=1), so of a batch P prefilled at once the last
-ones wait in D's queue for several of P's 4-second lease lifetimes; D's connector
+ones wait in D's queue for more than one of P's 5-second lease lifetimes; D's connector
 heartbeats their leases meanwhile. With the default kv_load_failure_policy ("fail") an
 expired lease would fail the request; here every one must load (P releases each
 CONSUMED, none EXPIRED) and answer as the aggregated engine does.
@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from tests.vllm.engines import KVSVC, PATIENT, Engine, Engines, kvsvc
+from tests.vllm.engines import KVSVC, PATIENT, Engine, Engines, kvsvc, kvsvc_servers
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.releases import Releases, p_servers
 
 pytestmark = pytest.mark.timeout(900)
 
-TTL_S = 4.0  # above P's batch time: a request's lease runs from P's finishing it, heartbeats start at D
+TTL_S = 5.0  # above P's batch time: a request's lease runs from P's finishing it, heartbeats start at D
 TOKENS = 400  # long enough that each request holds D for a while (prompts are up to 150 tokens); 8 compared
 
 
@@ -32,10 +32,14 @@ def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, r
         P.wait_ready()
         D.wait_ready()
         prompts = [PROMPTS[5], PROMPTS[9]] * 6
-        outs = P.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-        params = [o["kv_transfer_params"] for o in outs]
-        releases = Releases([a for p in params for a in p_servers(p)])
+        # Subscribe before P prefills: between P's batch and D's first heartbeat only the
+        # engines' own time passes (a subscription made in between once took long enough
+        # on busy cores that the first leases expired before D had seen their requests).
+        releases = Releases(kvsvc_servers(P.log))
         try:
+            outs = P.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+            params = [o["kv_transfer_params"] for o in outs]
+            assert {a for p in params for a in p_servers(p)} <= set(releases.addresses)
             t0 = time.monotonic()
             got = D.generate(prompts, TOKENS, params)
             waited = time.monotonic() - t0
