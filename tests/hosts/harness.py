@@ -14,7 +14,8 @@ Nothing outlives the harness: every process started in a host, and the init, get
 when the process that started them dies (PR_SET_PDEATHSIG, through setpriv), which takes
 the network namespace and its veth pair with them; the bridge is deleted on close, and one
 left by a harness that was itself killed is deleted by the next one (names carry the
-owner's pid). Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); available() says why not.
+owner's pid). (A process whose starter dies in the instant before setpriv sets its signal
+outlives it: setpriv does not check for that.) Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); available() says why not.
 
     python -m tests.hosts.harness 2     # two hosts, a shell prompt's worth of how to use them
 """

@@ -45,6 +45,13 @@ def test_nothing_outlives_a_harness_that_is_killed():
     assert child.stdout is not None
     inits = [int(p) for p in child.stdout.readline().split()]
     assert len(inits) == 2 and _ours(child.pid)
+    # Kill only once the host's `sleep 600` runs: setpriv sets its parent-death signal just
+    # before it execs, and a parent killed before that moment is not seen by the child
+    # (it then lives on, reparented). A CI run once killed the harness that early.
+    deadline = time.monotonic() + 10
+    while subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode != 0:
+        assert time.monotonic() < deadline, "the host's sleep never started"
+        time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
     child.wait(10)
     child.stdout.close()
