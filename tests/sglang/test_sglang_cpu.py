@@ -39,9 +39,11 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def answers(server: Served, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+def answers(server: Served, prompts: list[str], tokens: int = 8,
+            timeout_s: float = 120) -> list[tuple[list[int], list[float]]]:
+    """Every prompt at once: (token ids, logprobs rounded to 4 places) of each."""
     with ThreadPoolExecutor(len(prompts)) as pool:
-        out = list(pool.map(lambda p: generate(server, greedy(p, 8)), prompts))
+        out = list(pool.map(lambda p: generate(server, greedy(p, tokens), timeout_s), prompts))
     return [(o["output_ids"], [round(lp[0], 4) for lp in o["meta_info"]["output_token_logprobs"]]) for o in out]
 
 

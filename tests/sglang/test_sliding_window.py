@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.sglang.served import generate, greedy, kvsvc_servers, metric
 from tests.sglang.test_kvsvc_backend import PD, against_aggregated, flush, leases_left, one_by_one
+from tests.sglang.test_sglang_cpu import answers
 from tests.vllm.engines import ROOT
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.full]
@@ -94,8 +94,7 @@ def test_requests_that_wait_on_d_longer_than_the_lease_all_arrive(swa_model, kvs
     env = {**kvsvc_env, "KVSVC_SGLANG_LEASE_TTL_MS": str(int(LEASE_TTL_S * 1000))}
     with PD(swa_model, tmp_path, "kvsvc", env=env, d_args=("--max-total-tokens", "2048")) as pd:
         started = time.monotonic()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: generate(pd.router, greedy(p, 24), timeout_s=600)["output_ids"], prompts))
+        together = [ids for ids, _ in answers(pd.router, prompts, tokens=24, timeout_s=600)]
         waited_s = time.monotonic() - started
         assert waited_s > 5 * LEASE_TTL_S, f"the requests did not wait long enough to test this ({waited_s:.1f} s)"
         (_, p_metrics), = kvsvc_servers(pd.p).values()
