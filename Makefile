@@ -16,7 +16,7 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
+.PHONY: test-repeat etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ test-core: $(STAMP) proto-check node etcd rdma-libs prometheus
 # tests take several minutes on two cores; test-full adds the GQA hetero-TP pairs).
 test-vllm: $(VLLM_STAMP) prometheus
 	$(VLLM_VENV)/bin/python -m pytest -q -m "not full" tests/vllm
+
+# The core suite N times in a row with a busy process beside it: a test that depends on how
+# fast something runs fails here (tests/repeat.sh).
+N ?= 5
+test-repeat: $(STAMP) proto-check node etcd rdma-libs prometheus
+	bash tests/repeat.sh $(N) $(BIN)/python
 
 test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q

@@ -9,9 +9,14 @@ from collections.abc import Mapping
 
 from kvsvc.client.client import AsyncClient, ClientOptions
 from kvsvc.errors import KvsvcError
+from kvsvc.reasons import ErrorCode, Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 LEASE_NOT_YET_MADE = "LEASE_NOT_YET_MADE"  # heartbeat answer: params with lease_pending, lease not made yet
+# A heartbeat that ended with one of these codes said nothing of the lease (P not reached,
+# stalled past the call's timeout, busy): the next round tries again.
+_TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.RESOURCE_EXHAUSTED,
+                              ErrorCode.CANCELLED, ErrorCode.INTERNAL})
 HEARTBEATS_IN_FLIGHT = 64  # per P server: a D queue of thousands must not open thousands of calls at once
 
 
@@ -57,6 +62,17 @@ async def abort_published(params: pb.TransferParams, *, engine_id: str = "router
             return s.address, e.reason
 
     return dict(await asyncio.gather(*(one(s) for s in servers_of(params))))
+
+
+def heartbeat_is_transient(answer: str) -> bool:
+    """Whether a heartbeat answer (heartbeat_published's) says nothing final of the lease:
+    an error whose code means P was not reached or did not answer in time. A lease state,
+    LEASE_NOT_YET_MADE and a refusal (LEASE_EXPIRED, LEASE_TOKEN_MISMATCH, ...) are P's word."""
+    try:
+        reason = Reason(answer)
+    except ValueError:
+        return False  # a lease state's name or LEASE_NOT_YET_MADE
+    return reason.code in _TRANSIENT_CODES
 
 
 async def heartbeat_published(waiting: Mapping[str, pb.TransferParams], *, engine_id: str,

@@ -18,6 +18,7 @@ from kvsvc.client.attach import attach_pool
 from kvsvc.codec import layout_from_proto
 from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.regions import build_pool_layout
+from kvsvc.transport.ports import Flight
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.verify import RankMemory, check_rank, fill_rank
 
@@ -239,3 +240,102 @@ def same_block_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool
         bytes(de.mem[0].buf[r.pool_offset + d_block * r.block_stride:][:r.block_len])
         == bytes(pe.mem[0].buf[r.pool_offset + p_block * r.block_stride:][:r.block_len])
         for r in de.mem[0].regions)
+
+
+class HeldReads:
+    """Holds the READs a server posts: each is posted for real, but its caller gets a flight
+    of its own that completes and settles only after release() (and after the real READ
+    ended). `posted` is set once a READ was handed to NIXL. Tests wait on these events,
+    never on time. An abort of held flights aborts their real READs and lets them end then;
+    with abort=False it leaves them held (they end on release, as READs NIXL could not
+    cancel would)."""
+
+    def __init__(self, server: Any, *, abort: bool = True) -> None:
+        data = server.node.data
+        assert data is not None
+        self.posted, self.released = asyncio.Event(), asyncio.Event()
+        self._real_read, self._real_abort = data.read, data.abort
+        self._held: dict[int, tuple[Flight, asyncio.Event]] = {}  # id(held flight) -> (real, let go)
+        self._tasks: list[asyncio.Future[None]] = []  # held: an unreferenced task may be collected
+        self._abort_lets_go = abort
+        data.read = self._read
+        data.abort = self._abort
+        data.read_now = lambda *args, **kw: None  # every READ through _read
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def _read(self, *args: Any, **kw: Any) -> list[Flight]:
+        held = []
+        loop = asyncio.get_running_loop()
+        for real in await self._real_read(*args, **kw):
+            fl, let_go = Flight(None, None, loop, loop.create_future(), asyncio.Event()), asyncio.Event()
+            self._held[id(fl)] = (real, let_go)
+            self._tasks.append(asyncio.ensure_future(self._complete_later(fl, real, let_go)))
+            held.append(fl)
+        self.posted.set()
+        return held
+
+    async def _abort(self, flights: list[Flight]) -> None:
+        if not self._abort_lets_go:
+            return
+        pairs = [self._held[id(fl)] for fl in flights if id(fl) in self._held]
+        await self._real_abort([real for real, _ in pairs])
+        for _, let_go in pairs:
+            let_go.set()
+
+    async def _complete_later(self, fl: Flight, real: Flight, let_go: asyncio.Event) -> None:
+        released, aborted = asyncio.ensure_future(self.released.wait()), asyncio.ensure_future(let_go.wait())
+        await asyncio.wait([released, aborted], return_when=asyncio.FIRST_COMPLETED)
+        released.cancel()
+        aborted.cancel()
+        try:
+            duration = await real.result
+        except Exception as exc:
+            if not fl.result.done():  # done: cancelled with its transfer
+                fl.result.set_exception(exc)
+        else:
+            if not fl.result.done():
+                fl.result.set_result(duration)
+        await real.settled.wait()
+        fl.settled.set()
+
+
+class ClaimsSeen:
+    """An in-process P server's granted claims, as events per P request id: a test waits
+    for P to have granted a claim instead of polling its lease table."""
+
+    def __init__(self, server: Any) -> None:
+        table = server.node.leases
+        real = table.claim
+        self._granted: dict[str, asyncio.Event] = {}
+
+        def claim(request_id: str, *args: Any, **kw: Any) -> Any:
+            lease = real(request_id, *args, **kw)  # raises when refused: nothing seen
+            self.granted(request_id).set()
+            return lease
+
+        table.claim = claim
+
+    def granted(self, request_id: str) -> asyncio.Event:
+        return self._granted.setdefault(request_id, asyncio.Event())
+
+
+def reads_end_before_post_returns(server: Any) -> None:
+    """Every READ the server posts has ended by the time its post returns: the transfer finds
+    them done and takes its short path (one claim-and-consumed, no early claim), whatever the
+    machine's speed."""
+    data = server.node.data
+    assert data is not None
+    real_read = data.read
+
+    async def read(*args: Any, **kw: Any) -> list[Flight]:
+        flights = await real_read(*args, **kw)
+        for fl in flights:
+            with contextlib.suppress(Exception):  # a failed READ is the transfer's to report
+                await asyncio.shield(fl.result)
+            await fl.settled.wait()
+        return flights
+
+    data.read = read
+    data.read_now = lambda *args, **kw: None  # every READ through read

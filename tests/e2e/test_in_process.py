@@ -12,9 +12,8 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.errors import KvsvcError, PermissionDenied, Unavailable
 from kvsvc.service.in_process import InProcessTransfers
-from kvsvc.transport.ports import Flight
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
+from tests.e2e.harness import Engine, HeldReads, in_process_pair, same_block_bytes
 
 
 async def test_in_process_transfers_move_the_right_bytes_and_join_retries():
@@ -51,57 +50,18 @@ async def test_a_cancelled_in_process_transfer_settles_before_settled_returns():
     """The caller's task cancelled while D reads (its READ held): the job is given up, and
     settled() returns only once the READ ended -- never while it could still write."""
     async with in_process_pair("ipx") as (p, d), AsyncClient(f"127.0.0.1:{p.port}") as pc:
-        data = d.node.data
-        assert data is not None
-        real_read, release = data.read, asyncio.Event()
-        keep: list[asyncio.Future[None]] = []
-
-        async def held_read(*args, **kw):
-            # Each part handed out as a flight of its own, completed and settled only after
-            # release (the real one runs on; the thread resolves only what it holds).
-            held = []
-            for real in await real_read(*args, **kw):
-                loop = asyncio.get_running_loop()
-                fl = Flight(None, None, loop, loop.create_future(), asyncio.Event())
-
-                async def later(fl=fl, real=real):
-                    await release.wait()
-                    try:
-                        duration = await real.result
-                    except Exception as exc:
-                        if not fl.result.done():  # done: cancelled with the transfer
-                            fl.result.set_exception(exc)
-                    else:
-                        if not fl.result.done():
-                            fl.result.set_result(duration)
-                    await real.settled.wait()
-                    fl.settled.set()
-
-                keep.append(asyncio.ensure_future(later()))  # held: an unreferenced task may be collected
-                held.append(fl)
-            return held
-
-        async def no_abort(flights):  # the held flights end on release, not before
-            return None
-
-        data.read = held_read  # type: ignore[method-assign]
-        data.abort = no_abort  # type: ignore[method-assign]
-        data.read_now = lambda *a, **kw: None  # type: ignore[method-assign]
+        reads = HeldReads(d, abort=False)  # the READ ends on release only, cancelled or not
         carrier = InProcessTransfers(d)
         pub = await pc.publish_blocks("ip-c", [[2]])
         call = asyncio.ensure_future(carrier.transfer("d-ip-c", pub.params, [[6]], timeout_s=30))
-        for _ in range(500):
-            if d.decoder.jobs.running:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # its READ posted and held
+        await asyncio.wait_for(reads.posted.wait(), 30)  # its READ posted and held
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
         waiting = asyncio.ensure_future(carrier.settled("d-ip-c", asyncio.CancelledError()))
         await asyncio.sleep(0.2)
         assert not waiting.done(), "settled() returned while the READ could still write"
-        release.set()
+        reads.release()
         await asyncio.wait_for(waiting, 10)
         job = d.decoder.jobs.find("d-ip-c")
         assert job is None or job.settled.is_set()

@@ -21,14 +21,14 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import abort_published
 from kvsvc.errors import FailedPrecondition, InvalidArgument
-from kvsvc.service import transfer_run
 from kvsvc.service.server import RunningServer
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
+from tests.e2e.harness import ClaimsSeen, Engine, HeldReads, in_process_pair, same_block_bytes
 
 
 class Gate:
-    """Holds every READ the D server posts until opened; .held is set once one waits."""
+    """Holds every READ the D server posts, before it is posted, until opened; .held is set
+    once one waits."""
 
     def __init__(self, d: RunningServer) -> None:
         self.open_ = asyncio.Event()
@@ -93,43 +93,19 @@ async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passe
         assert p.node.leases.live_count == 0 and p.node.leases.claimed_count == 0
 
 
-async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes(monkeypatch):
-    monkeypatch.setattr(transfer_run, "EARLY_CLAIM_S", 0.01)
+async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes():
+    """The rule, not the race: a READ that has not completed when EARLY_CLAIM_S passes claims
+    the lease while it runs. Its completion is held until P granted that claim (an event,
+    not a clock), so the early claim is certain however fast the machine."""
     async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         pub = await pc.publish_blocks("long", [[3]])
-        # Hold the READ's completion, not its post: the claim goes out while it runs.
-        data = d.node.data
-        assert data is not None
-        real_read, release = data.read, asyncio.Event()
-        holders: list[asyncio.Future[None]] = []
-
-        async def slow_read(*args: Any, **kw: Any) -> Any:
-            (fl,) = flights = await real_read(*args, **kw)  # a 1-block READ: one part
-            done, fl.result = fl.result, asyncio.get_running_loop().create_future()
-
-            async def later() -> None:
-                await release.wait()
-                try:
-                    fl.result.set_result(await done)
-                except Exception as exc:  # pragma: no cover - reported by the transfer
-                    fl.result.set_exception(exc)
-
-            holders.append(asyncio.ensure_future(later()))
-            return flights
-
-        data.read = slow_read  # type: ignore[method-assign]
-        data.read_now = lambda *args, **kw: None  # type: ignore[method-assign]  # posted through slow_read
+        reads, claims = HeldReads(d), ClaimsSeen(p)
         call = asyncio.ensure_future(dc.transfer("d-long", pub.params, [[4]]))
-        for _ in range(500):  # until P saw the claim
-            lease = p.node.leases.get("long")
-            if lease is not None and lease.claims:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            pytest.fail("a read held past EARLY_CLAIM_S never claimed the lease")
+        await asyncio.wait_for(claims.granted("long").wait(), 30)
+        assert not call.done(), "the transfer answered before its READ completed"
         assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_NOT_OWNER"}
-        release.set()
+        reads.release()
         resp = await call
         assert resp.total_bytes > 0
         assert same_block_bytes(pe, 3, de, 4)

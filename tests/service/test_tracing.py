@@ -3,7 +3,9 @@ through an OpenTelemetry in-memory exporter."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from opentelemetry import propagate, trace
@@ -18,6 +20,7 @@ from kvsvc.errors import PermissionDenied
 from kvsvc.service.server import create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
+from tests.e2e.harness import ClaimsSeen, HeldReads, reads_end_before_post_returns
 
 EXPORTER = InMemorySpanExporter()
 
@@ -33,7 +36,8 @@ def provider() -> Iterator[None]:
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[tuple[AsyncClient, AsyncClient]]:
+async def pair() -> AsyncIterator[tuple[tuple[Any, AsyncClient], tuple[Any, AsyncClient]]]:
+    """(P server, its client), (D server, its client): both in this process."""
     layout = {"model_id": "tr", "total_num_kv_heads": 4, "block_size": 16, "num_blocks": 32, "dtype": "bfloat16",
               "groups": [{"name": "full", "kind": "full_attention", "num_layers": 2, "head_size": 64}]}
     p, p_port = await create_server(load_config(listen="127.0.0.1:0", engine_id="tr-p", tp_size=1,
@@ -42,43 +46,79 @@ async def pair() -> AsyncIterator[tuple[AsyncClient, AsyncClient]]:
                                                 role=Role.DECODE, memory=MemoryMode.DRAM, layout_table=layout))
     try:
         async with AsyncClient(f"127.0.0.1:{p_port}") as pc, AsyncClient(f"127.0.0.1:{d_port}") as dc:
-            yield pc, dc
+            yield (p, pc), (d, dc)
     finally:
         await d.stop(0)
         await p.stop(0, drain_s=0)
 
 
-async def test_a_transfer_is_one_trace_from_engine_to_p(pair):
-    pc, dc = pair
-    pub = await pc.publish_blocks("p-req", [[1, 2]])
+async def _traced_transfer(pc: AsyncClient, dc: AsyncClient, request_id: str) -> tuple[dict[str, Any], Any]:
+    """One transfer under an engine's root span: the finished spans by name, and the root."""
+    pub = await pc.publish_blocks(request_id, [[1, 2]])
     EXPORTER.clear()
     engine = trace.get_tracer("engine")
     with engine.start_as_current_span("engine.request") as root:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        req = pb.TransferRequest(request_id="d-req", params=pub.params, local_block_ids_per_group=block_ids_to_proto(
-            [[5, 6]]))
+        req = pb.TransferRequest(request_id=f"d-{request_id}", params=pub.params,
+                                 local_block_ids_per_group=block_ids_to_proto([[5, 6]]))
         await pb_grpc.KvTransferServiceStub(dc.channel).Transfer(req, metadata=tuple(carrier.items()), timeout=30)
     spans = EXPORTER.get_finished_spans()
     trace_id = root.get_span_context().trace_id
     assert {s.context.trace_id for s in spans} == {trace_id}, [s.name for s in spans]
-    by_name = {s.name: s for s in spans}
+    return {s.name: s for s in spans}, root
+
+
+def _check_one_trace(by_name: dict[str, Any], root: Any, request_id: str, phases: tuple[str, ...],
+                     p_spans: tuple[str, ...]) -> None:
     transfer = by_name["kvsvc.Transfer"]
     assert transfer.parent.span_id == root.get_span_context().span_id
-    assert transfer.attributes["kvsvc.request_id"] == "d-req"
-    assert transfer.attributes["kvsvc.remote_request_id"] == "p-req" and transfer.attributes["kvsvc.bytes"] > 0
-    for phase in ("peer", "plan", "post", "claim", "reads", "confirm"):
+    assert transfer.attributes["kvsvc.request_id"] == f"d-{request_id}"
+    assert transfer.attributes["kvsvc.remote_request_id"] == request_id and transfer.attributes["kvsvc.bytes"] > 0
+    for phase in phases:
         assert by_name[phase].parent.span_id == transfer.context.span_id, phase
         assert by_name[phase].start_time <= by_name[phase].end_time
-    # P's side of the same trace: the claim and the CONSUMED it answered, under D's span.
-    for name in ("kvsvc.claim", "kvsvc.notify"):
+    # P's side of the same trace, under D's span.
+    for name in p_spans:
         assert by_name[name].parent.span_id == transfer.context.span_id, name
-        assert by_name[name].attributes["kvsvc.request_id"] == "p-req"
+        assert by_name[name].attributes["kvsvc.request_id"] == request_id
         assert by_name[name].attributes["kvsvc.peer_engine"] == "tr-d"
 
 
+async def test_a_short_transfer_is_one_trace_from_engine_to_p(pair):
+    """READs that ended within their post: one claim-and-consumed after them, no claim phase."""
+    (_, pc), (d, dc) = pair
+    reads_end_before_post_returns(d)
+    by_name, root = await _traced_transfer(pc, dc, "p-short")
+    # P's side: one claim that says consumed.
+    _check_one_trace(by_name, root, "p-short", ("peer", "plan", "post", "reads", "confirm"), ("kvsvc.claim",))
+    assert "kvsvc.notify" not in by_name
+    assert "claim" not in by_name, "a READ that had ended claimed early"
+
+
+async def test_a_long_transfer_is_one_trace_with_its_early_claim(pair):
+    """A READ still running past EARLY_CLAIM_S (held until P granted the claim, so certain
+    on any machine): the claim is a phase of its own, under the same trace."""
+    (p, pc), (d, dc) = pair
+    reads, claims = HeldReads(d), ClaimsSeen(p)
+
+    async def release_once_claimed() -> None:
+        await claims.granted("p-long").wait()
+        reads.release()
+
+    releaser = asyncio.ensure_future(release_once_claimed())
+    try:
+        by_name, root = await _traced_transfer(pc, dc, "p-long")
+    finally:
+        releaser.cancel()
+    assert claims.granted("p-long").is_set()
+    # P's side: the claim during the READ, and the CONSUMED that confirmed it.
+    _check_one_trace(by_name, root, "p-long", ("peer", "plan", "post", "claim", "reads", "confirm"),
+                     ("kvsvc.claim", "kvsvc.notify"))
+
+
 async def test_a_failed_transfer_says_why_on_its_span(pair):
-    pc, dc = pair
+    (_, pc), (_, dc) = pair
     pub = await pc.publish_blocks("p-bad", [[3]])
     pub.params.lease_token = "not-the-token"
     EXPORTER.clear()

@@ -36,7 +36,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512, block_size=32)
+    from tests.vllm.engines import kernel_block_size
+
+    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512,
+              block_size=kernel_block_size())
     kw.update(engine_args)
     if connector:
         kw["kv_transfer_config"] = KVTransferConfig(**connector)

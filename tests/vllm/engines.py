@@ -6,6 +6,7 @@ run unbound with one OpenMP thread per worker, so several share two cores.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -47,6 +48,25 @@ def write_mla_model(path: Path) -> None:
                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                            max_position_embeddings=1024)
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+@functools.cache
+def kernel_block_size(*, mla: bool = False, head_size: int = 64) -> int:
+    """The smallest block size the attention backend vLLM picks on this machine takes for a
+    bf16 model (MLA or not): no test hard-codes one. On CPU: 32 for CPU_ATTN; 16 for CPU_MLA,
+    32 for AMX_MLA where the CPU has AMX."""
+    import importlib
+
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    path = current_platform.get_attn_backend_cls(None, AttentionSelectorConfig(
+        head_size=576 if mla else head_size, dtype=torch.bfloat16, kv_cache_dtype=None, block_size=None, use_mla=mla))
+    module, _, name = path.rpartition(".")
+    first = getattr(importlib.import_module(module), name).get_supported_kernel_block_sizes()[0]
+    return first.base if isinstance(first, MultipleOf) else int(first)
 
 
 def kvsvc_servers(log: Path) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from tests.vllm.engines import ROOT, _free_port, assert_servers_gone
+from tests.vllm.engines import ROOT, _free_port, assert_servers_gone, kernel_block_size
 
 
 def _group_states(pgid: int) -> dict[int, str]:
@@ -144,7 +144,7 @@ def vllm_serve(name: str, model: Path, logs: Path, connector: dict[str, Any] | N
     # for the version of a distribution named "vllm"); the arguments are the same.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--skip-tokenizer-init", "--return-tokens-as-token-ids", "--enforce-eager", "--max-model-len", "512",
-            "--block-size", "32", "--tensor-parallel-size", str(tp), *extra_args]
+            "--block-size", str(kernel_block_size()), "--tensor-parallel-size", str(tp), *extra_args]
     if connector:
         argv += ["--kv-transfer-config", json.dumps(connector)]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",

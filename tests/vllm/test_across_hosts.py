@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.hosts.harness import Host, available, hosts
-from tests.vllm.engines import kvsvc
+from tests.vllm.engines import kernel_block_size, kvsvc
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.releases import Releases, p_servers
 from tests.vllm.served import Served, completion, tokens_and_logprobs
@@ -31,7 +31,7 @@ CONSUMED = "RELEASE_REASON_CONSUMED"
 def serve_on(host: Host, name: str, model_dir: str, connector: dict, logs) -> Served:
     argv = [*host.launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--host", host.address, "--port", str(PORT), "--skip-tokenizer-init", "--return-tokens-as-token-ids",
-            "--enforce-eager", "--max-model-len", "512", "--block-size", "32",
+            "--enforce-eager", "--max-model-len", "512", "--block-size", str(kernel_block_size()),
             "--kv-transfer-config", json.dumps(connector)]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     return Served(name, argv, logs, PORT, env, host=host.address)

@@ -1,8 +1,8 @@
 """vLLM itself, prefill/decode disaggregated through kvsvc (KvsvcConnector), token for token.
 
 Real vLLM 0.32 engines on a random-weight Llama (K = 2 KV heads, head 64, blocks of
-32 tokens). Oracles: the aggregated run for equal TP (greedy tokens AND logprobs equal
-exactly), vLLM's own NixlConnector for different TP sizes (it moves the same bytes into
+32 tokens). Oracles: the aggregated run for equal TP (greedy tokens exact, logprobs exact one
+prompt at a time and within bf16 rounding when batched: tests/vllm/compare.py), vLLM's own NixlConnector for different TP sizes (it moves the same bytes into
 the same places). Independently of the outputs, every P server must report each request
 CONSUMED exactly once on its release stream, with no lease left: a D that silently
 recomputed instead of loading would show ABORTED or nothing there.
@@ -14,6 +14,7 @@ import pytest
 
 from kvsvc.client import Client
 from kvsvc.errors import KvsvcError
+from tests.vllm.compare import same
 from tests.vllm.engines import Engine, Engines, kvsvc, kvsvc_servers
 from tests.vllm.prompts import HEAD, LONGER, PROMPTS
 from tests.vllm.releases import Releases, p_servers
@@ -50,11 +51,6 @@ def disaggregated(P: Engine, D: Engine, prompts: list[list[int]], max_tokens: in
         assert P.blocks_free(), ("P still holds KV blocks", P.tail())
         assert D.blocks_free(), ("D still holds KV blocks", D.tail())
     return outs
-
-
-def same(a: list[dict], b: list[dict]) -> None:
-    assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
-    assert [o["logprobs"] for o in a] == [o["logprobs"] for o in b]
 
 
 @pytest.fixture(scope="module")

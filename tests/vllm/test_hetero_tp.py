@@ -11,9 +11,10 @@ import time
 
 import pytest
 
+from tests.vllm.compare import same
 from tests.vllm.engines import NIXL, Engine, Engines, kvsvc
 from tests.vllm.prompts import PROMPTS
-from tests.vllm.test_connector import disaggregated, same
+from tests.vllm.test_connector import disaggregated
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.full]  # make test-full: two more engine pairs per case
 
@@ -70,7 +71,7 @@ def against_nixl_connector(engines: Engines, p_tp: int, d_tp: int, batches: list
         theirs += oracle_batch(np_, nd, batch)
     engines.drop(np_.name)
     engines.drop(nd.name)
-    same(ours, theirs)
+    same(ours, theirs, batched=any(len(b) > 1 for b in batches))
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])

@@ -11,6 +11,9 @@ heartbeats (the control) the lease has expired by then and the load fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -179,6 +182,77 @@ def test_an_abandoned_request_is_aborted_at_p_over_the_channel_d_already_holds(t
         assert leases == {}, leases  # ab-1 consumed, ab-2 aborted: nothing held until a TTL
         assert dialled == [], dialled
     finally:
+        worker.shutdown()
+        sched.shutdown()
+        p.stop()
+
+
+def _lease(address: str, request_id: str) -> tuple[str, int] | None:
+    """(state, expires_unix_ms) of one of P's leases, or None once P forgot it."""
+    async def listing():
+        async with AsyncClient(address) as pc:
+            from kvsvc.v1 import kv_transfer_pb2 as pb
+
+            return [(pb.LeaseState.Name(x.state), x.expires_unix_ms) for x in (await pc.list_leases()).leases
+                    if x.request_id == request_id]
+
+    found = asyncio.run(listing())
+    return found[0] if found else None
+
+
+def _until(check, what: str, timeout_s: float = 60.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.02)
+    pytest.fail(f"never: {what}")
+
+
+def test_a_p_stalled_past_a_heartbeat_round_keeps_its_waiting_leases(tmp_path):
+    """P stops answering (SIGSTOP) for longer than one heartbeat call's timeout, but not for
+    its lease's TTL: D's worker asks again once P is back, the lease is extended past where
+    it stood before the stall, and the request loads. A worker that gave up after one
+    unanswered round left the lease to run out."""
+    ttl_s, heartbeat_s = 8.0, 0.3
+    config = tmp_path / "p.toml"
+    config.write_text(f"[server]\nlease_ttl_s = {ttl_s}\n")
+    p = start_server(engine_id="hb-p", role="prefill", tp_size=1, layout=TABLE, config_file=str(config))
+    worker = KvsvcWorker(engine_id="hb-d", role=Role.DECODE, tp_rank=0, tp_size=1, heartbeat_s=heartbeat_s)
+    sched = KvsvcScheduler(engine_id="hb-d", tp_size=1, dcp_size=1, is_producer=False, lease_heartbeat_s=heartbeat_s)
+    try:
+        worker.start(CacheDescription(TABLE, _buffers()))
+
+        async def publish():
+            async with AsyncClient(p.address) as pc:
+                return await pc.publish_blocks("hb-s", [[1, 2, 3, 4]])
+
+        pub = asyncio.run(publish())
+        req = _request("d-hb-s", kvparams.to_vllm(pub.params, num_tokens=4 * 16, tp_size=1, dcp_size=1))
+        sched.on_new_request(req)
+        worker.start_load_kv(sched.build_connector_meta(None))  # it waits in D's queue, heartbeated
+        first = _lease(p.address, "hb-s")
+        assert first is not None and first[0] == "LEASE_STATE_OFFERED", first
+        # A heartbeat landed: the lease moved on from its first expiry.
+        _until(lambda: (x := _lease(p.address, "hb-s")) and x[1] > first[1], "a heartbeat extended the lease")
+        before_stall = _lease(p.address, "hb-s")
+        assert before_stall is not None
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            _until(lambda: worker.heartbeat_rounds_short > 0, "a heartbeat round went unanswered")
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        after = _until(lambda: (x := _lease(p.address, "hb-s")) and x[1] > before_stall[1] and x,
+                       "the lease was heartbeated again after P came back")
+        assert after[0] == "LEASE_STATE_OFFERED", after
+        blocks = SimpleNamespace(blocks=[[]], get_unhashed_block_ids_all_groups=lambda: [[9, 10, 11, 12]])
+        sched.update_state_after_alloc(req, blocks, 4 * 16)
+        worker.start_load_kv(sched.build_connector_meta(None))
+        assert _load_outcome(worker, "d-hb-s") == "loaded"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.proc.pid, signal.SIGCONT)
         worker.shutdown()
         sched.shutdown()
         p.stop()

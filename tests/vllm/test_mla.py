@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.engines import Engines, write_mla_model
+from tests.vllm.engines import Engines, kernel_block_size, write_mla_model
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.test_hetero_tp import against_nixl_connector
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(900)
 def mla_engines(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("mla")
     write_mla_model(base / "model")
-    pool = Engines(base / "model", base, {"block_size": 16})  # vLLM's CPU MLA kernel takes blocks of 16
+    # What vLLM's MLA backend here takes: CPU_MLA blocks of 16, AMX_MLA multiples of 32.
+    pool = Engines(base / "model", base, {"block_size": kernel_block_size(mla=True)})
     yield pool
     pool.stop_all()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from kvsvc.integrations.amx import cpu_has_amx
 from tests.vllm.engines import ROOT, _free_port
 
 pytestmark = pytest.mark.timeout(900)
@@ -62,15 +63,36 @@ def answer_of(stdout: str) -> dict:
     return json.loads(line)
 
 
-def test_quickstart_once(tiny_model, tmp_path):
-    out = subprocess.run(["bash", str(SCRIPT), str(tiny_model), "--once"], cwd=ROOT, env=script_env(tmp_path),
+@pytest.fixture(scope="module")
+def once(tiny_model, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The script run once with --once: its output and its LOG_DIR."""
+    logs = tmp_path_factory.mktemp("quickstart-logs")
+    out = subprocess.run(["bash", str(SCRIPT), str(tiny_model), "--once"], cwd=ROOT, env=script_env(logs),
                          capture_output=True, text=True, timeout=800)
+    return out, logs
+
+
+def test_quickstart_once(once, tiny_model):
+    out, _ = once
     assert out.returncode == 0, (out.stdout, out.stderr)
     answer = answer_of(out.stdout)
     assert answer["usage"]["completion_tokens"] == 16 and answer["choices"][0]["text"], answer
     moved = re.search(r"^D loaded (\d+) bytes of KV cache from P through kvsvc$", out.stdout, re.M)
     assert moved and int(moved.group(1)) > 0, out.stdout
     assert not gone(tiny_model), "the script left processes behind"
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX (no amx_tile in /proc/cpuinfo): vLLM's bf16 "
+                    "attention does not use AMX tiles here, and there is no permission to ask for")
+def test_quickstart_engines_hold_amx_tile_data_before_their_first_forward(once):
+    """On a CPU with AMX the connector asked Linux for AMX tile data in each engine's worker
+    and the kernel granted it (checked with ARCH_GET_XCOMP_PERM in that process): D's first
+    forward, one recomputed token on vLLM's AMX attention, does not die with SIGILL."""
+    out, logs = once
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    for engine in ("prefill", "decode"):
+        log = (logs / f"{engine}.log").read_text(errors="replace")
+        assert "kvsvc: AMX tile data" in log and "permitted in this process" in log, f"{engine}.log"
 
 
 def test_quickstart_serves_until_interrupted(tiny_model, tmp_path):

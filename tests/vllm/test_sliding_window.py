@@ -3,8 +3,8 @@ every layer attends to the last 48 tokens only, P TP1 -> D TP1, token for token.
 
 vLLM keeps such a model's KV in a sliding-window group: the blocks that fell out of the
 window may already be freed (and given as the null block) when P finishes, so P leases
-and D reads only the window's blocks. Oracle: the aggregated run (greedy tokens and
-logprobs equal exactly); every P server reports each request CONSUMED once.
+and D reads only the window's blocks. Oracle: the aggregated run (greedy tokens exact,
+logprobs within bf16 rounding: the prompts go as one batch, tests/vllm/compare.py); every P server reports each request CONSUMED once.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm.compare import same
 from tests.vllm.engines import Engines, kvsvc
 from tests.vllm.prompts import PROMPTS
-from tests.vllm.test_connector import disaggregated, same
+from tests.vllm.test_connector import disaggregated
 
 pytestmark = pytest.mark.timeout(900)
 

