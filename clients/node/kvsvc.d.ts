@@ -64,7 +64,7 @@ export class KvsvcClient {
   notify(request: Record<string, unknown>, options?: CallOptions): Promise<NotifyResponse>;
   // Settled state of a D-side transfer (after a cancelled or failed Transfer, before reusing its blocks).
   waitTransfer(request: { request_id: string; wait_ms?: number }, options?: CallOptions): Promise<WaitTransferResponse>;
-  listLeases(request?: { limit?: number; request_id_prefix?: string }, options?: CallOptions): Promise<Record<string, unknown>>;
+  listLeases(request?: { limit?: number; request_id_prefix?: string; request_ids?: string[] }, options?: CallOptions): Promise<Record<string, unknown>>;
   watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
   // Transfers as messages on one TransferStream (what an engine that runs many uses).
   transferStream(): TransferChannel;

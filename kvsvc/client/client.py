@@ -208,10 +208,11 @@ class AsyncClient:
         return await self._call(self._stub.Notify, request, timeout_s,  # type: ignore[no-any-return]
                                 traceparent=traceparent)
 
-    async def list_leases(self, *, limit: int = 0, request_id_prefix: str = "",
+    async def list_leases(self, *, limit: int = 0, request_id_prefix: str = "", request_ids: Sequence[str] = (),
                           timeout_s: float | None = None) -> pb.ListLeasesResponse:
-        """The server's live leases (soonest to expire first), peers and running transfers; read only."""
-        req = pb.ListLeasesRequest(limit=limit, request_id_prefix=request_id_prefix)
+        """The server's live leases (soonest to expire first), peers and running transfers; read
+        only. request_ids: only those ids' leases, every live one (a lookup by exact id)."""
+        req = pb.ListLeasesRequest(limit=limit, request_id_prefix=request_id_prefix, request_ids=list(request_ids))
         return await self._call(self._stub.ListLeases, req, timeout_s)  # type: ignore[no-any-return]
 
     def lease_channel(self) -> LeaseChannel:
@@ -350,11 +351,12 @@ class Client:
                traceparent: str = "") -> pb.NotifyResponse:
         return self._run(self._async.notify(request, timeout_s=timeout_s, traceparent=traceparent))
 
-    def list_leases(self, *, limit: int = 0, request_id_prefix: str = "",
+    def list_leases(self, *, limit: int = 0, request_id_prefix: str = "", request_ids: Sequence[str] = (),
                     timeout_s: float | None = None) -> pb.ListLeasesResponse:
-        """Live leases, peers and running transfers (read only; limit 0: the server's default)."""
+        """Live leases, peers and running transfers (read only; limit 0: the server's default;
+        request_ids: a lookup by exact id)."""
         return self._run(self._async.list_leases(limit=limit, request_id_prefix=request_id_prefix,
-                                                 timeout_s=timeout_s))
+                                                 request_ids=request_ids, timeout_s=timeout_s))
 
     def lease_channel(self) -> SyncLeaseChannel:
         """The blocking twin of AsyncClient.lease_channel()."""

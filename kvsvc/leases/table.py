@@ -19,7 +19,7 @@ import secrets
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -451,6 +451,13 @@ class LeaseTable:
         alive = (lease for lease in self._live.values()
                  if lease.request_id.startswith(prefix) and lease.expires_at > now)
         return heapq.nsmallest(limit, alive, key=lambda lease: lease.expires_at)
+
+    def lookup(self, request_ids: Iterable[str]) -> list[Lease]:
+        """The live leases of exactly these request ids (a reader that missed releases asks
+        which are still held), in the order asked; reads only, like listing()."""
+        now = time.monotonic()
+        found = (self._live.get(rid) for rid in dict.fromkeys(request_ids))
+        return [lease for lease in found if lease is not None and lease.expires_at > now]
 
     def subscribe(self) -> Subscription:
         """Releases from this moment on (registered before this returns), until close(), or

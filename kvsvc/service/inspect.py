@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from kvsvc.leases.table import Lease
-from kvsvc.limits import DEFAULT_LIST_LEASES, MAX_LIST_LEASES, check_id, too_big
+from kvsvc.limits import DEFAULT_LIST_LEASES, MAX_LIST_LEASES, check_count, check_id, too_big
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer
@@ -33,8 +33,14 @@ def list_leases(node: Node, decoder: Decoder, req: pb.ListLeasesRequest) -> pb.L
     if req.limit > MAX_LIST_LEASES:
         raise too_big("limit", req.limit, MAX_LIST_LEASES, "leases")
     check_id(req.request_id_prefix, "request_id_prefix")
+    check_count(req.request_ids, "request_ids", MAX_LIST_LEASES)
+    for i, rid in enumerate(req.request_ids):
+        check_id(rid, f"request_ids[{i}]")
     now, now_unix_ms = time.monotonic(), int(time.time() * 1000)
-    leases = node.leases.listing(req.limit or DEFAULT_LIST_LEASES, req.request_id_prefix)
+    if req.request_ids:  # a lookup by exact id: every live one asked for
+        leases = [x for x in node.leases.lookup(req.request_ids) if x.request_id.startswith(req.request_id_prefix)]
+    else:
+        leases = node.leases.listing(req.limit or DEFAULT_LIST_LEASES, req.request_id_prefix)
     return pb.ListLeasesResponse(
         leases=[_lease_info(lease, now, now_unix_ms) for lease in leases], live_leases=node.leases.live_count,
         claimed_leases=node.leases.claimed_count, peers=[_peer_info(p) for p in decoder.peers.listing()],

@@ -227,6 +227,7 @@ def watch_behind(e: SubscriberBehind) -> KvsvcError:
     """How a subscriber that fell behind is ended, with what to do about it."""
     return KvsvcError(Reason.WATCH_BEHIND, "this WatchReleases stream was not read while its releases piled up "
                       f"({e.held_bytes} bytes, limit {e.limit_bytes}); they were dropped. Subscribe again, and "
-                      "once its headers came, reconcile: every request you published that ListLeases no longer "
-                      "lists was released (free its blocks that no listed lease holds)",
+                      "once its headers came, reconcile: look the requests you published up by exact id (ListLeases "
+                      "request_ids); one whose lease it does not list was released (free its blocks that no listed "
+                      "lease holds)",
                       {"held_bytes": e.held_bytes, "limit_bytes": e.limit_bytes}, code=ErrorCode.RESOURCE_EXHAUSTED)

@@ -986,12 +986,14 @@ class TransferAnswer(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[TransferResponse, _Mapping]] = ..., error_status: _Optional[bytes] = ...) -> None: ...
 
 class ListLeasesRequest(_message.Message):
-    __slots__ = ("limit", "request_id_prefix")
+    __slots__ = ("limit", "request_id_prefix", "request_ids")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     limit: int
     request_id_prefix: str
-    def __init__(self, limit: _Optional[int] = ..., request_id_prefix: _Optional[str] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, limit: _Optional[int] = ..., request_id_prefix: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("request_id", "state", "published_unix_ms", "expires_unix_ms", "remaining_ms", "num_blocks", "claimed_by_engine_id", "claimed_by_tp_size", "num_claims", "pending_d_ranks")

@@ -52,3 +52,30 @@ async def test_limit_and_prefix_are_bounded(prefill):
         await client.list_leases(request_id_prefix="x" * 1000)
     assert e.value.reason == "FIELD_TOO_LARGE"
     assert (await client.list_leases(limit=MAX_LIST_LEASES)).live_leases == 0
+
+
+async def test_a_lookup_by_exact_ids_answers_every_live_one_and_never_a_prefix_match(prefill):
+    """'cmpl-1' beside 70 ids that start with it ('cmpl-10'..'cmpl-169'): a prefix lookup of
+    64 misses it (published last, it expires last); the lookup by id finds it, and only the
+    ids asked for."""
+    _, client = prefill
+    others = [f"cmpl-1{i}" for i in range(70)]
+    for rid in others:
+        await client.publish_blocks(rid, [[1]], lease_ttl_ms=60_000)
+    await client.publish_blocks("cmpl-1", [[2]], lease_ttl_ms=60_000)
+    by_prefix = await client.list_leases(limit=64, request_id_prefix="cmpl-1")
+    assert "cmpl-1" not in {x.request_id for x in by_prefix.leases}  # what a prefix lookup got wrong
+    got = await client.list_leases(request_ids=["cmpl-1", "cmpl-2", "never-published", "cmpl-1"], limit=1)
+    assert [x.request_id for x in got.leases] == ["cmpl-1"], "limit does not apply, ids are exact, once each"
+    many = await client.list_leases(request_ids=others)
+    assert len(many.leases) == 70
+
+
+async def test_a_lookup_by_ids_is_bounded(prefill):
+    _, client = prefill
+    with pytest.raises(InvalidArgument) as e:
+        await client.list_leases(request_ids=["x"] * (MAX_LIST_LEASES + 1))
+    assert e.value.reason == "FIELD_TOO_LARGE" and e.value.metadata["field"] == "request_ids"
+    with pytest.raises(InvalidArgument) as e:
+        await client.list_leases(request_ids=["ok", "y" * 1000])
+    assert e.value.reason == "FIELD_TOO_LARGE" and e.value.metadata["field"] == "request_ids[1]"

@@ -85,3 +85,36 @@ def test_a_release_stream_that_ends_is_opened_again_and_the_gap_looked_up():
         assert _sent_within(w, 3.0) == {"after-1"}
     finally:
         w.shutdown()
+
+
+def test_a_gap_is_repaired_by_exact_id_never_by_prefix():
+    """P's worker missed its releases for a while; vLLM still holds blocks for 'cmpl-1' (live)
+    and 'gone-1' (released in the gap). 70 other live leases start with 'cmpl-1' and expire
+    before it: a lookup by prefix (64 at most) did not list 'cmpl-1', reported it released,
+    and vLLM reused blocks D was about to read. Only 'gone-1' may be reported."""
+    w = _worker()
+    try:
+        assert w.info is not None
+        others = [f"cmpl-1{i}" for i in range(70)]
+
+        async def publish() -> dict:
+            async with AsyncClient(w.info.address) as c:
+                for rid in others:
+                    await c.publish_blocks(rid, [[1]], lease_ttl_ms=60_000)
+                return {rid: await c.publish_blocks(rid, [[2]], lease_ttl_ms=60_000) for rid in ("cmpl-1", "gone-1")}
+
+        pubs = asyncio.run(publish())
+        w.start_load_kv(KvsvcConnectorMetadata(delayed={"cmpl-1", "gone-1"}))
+        stream = w._release_stream
+        assert stream is not None
+        w._loop.loop.call_soon_threadsafe(stream.cancel)  # the gap opens
+        asyncio.run(abort_published(pubs["gone-1"].params, engine_id="router"))
+        end = time.monotonic() + 30
+        while w.gap_repairs == 0 and time.monotonic() < end:  # the gap looked up
+            time.sleep(0.01)
+        assert w.gap_repairs >= 1, "the gap was never looked up"
+        assert w.transfer_results(set())[0] == {"gone-1"}
+        asyncio.run(abort_published(pubs["cmpl-1"].params, engine_id="router"))
+        assert _sent_within(w, 3.0) == {"cmpl-1"}  # its real release, heard on the new stream
+    finally:
+        w.shutdown()

@@ -32,6 +32,7 @@ from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
 from kvsvc.leases.table import NotifyKind
+from kvsvc.limits import MAX_LIST_LEASES
 from kvsvc.service import prefill
 from kvsvc.service.in_process import InProcessTransfers
 from kvsvc.service.server import RunningServer, create_server
@@ -112,6 +113,7 @@ class KvsvcWorker:
         self._delayed: OrderedDict[str, None] = OrderedDict()
         self._early_failed: OrderedDict[str, None] = OrderedDict()  # early leases refused (on the loop)
         self._stopping = False
+        self.gap_repairs = 0  # release-stream gaps looked up (tests wait on it)
         self._release_stream: ReleaseStream | None = None
         self._stats = KvsvcConnectorStats()  # since vLLM last took them
         # Since start, for whoever asks (vLLM takes the stats above every step).
@@ -188,14 +190,21 @@ class KvsvcWorker:
         assert self._client is not None
         with self._lock:
             waiting = [r for r in self._delayed if r not in self._released]
-        for rid in waiting:
+        # By exact id, never by prefix: "cmpl-1" must not be taken as released because
+        # 64 other ids starting with it filled the answer (its blocks would be reused while
+        # D reads them).
+        for start in range(0, len(waiting), MAX_LIST_LEASES):
+            batch = waiting[start:start + MAX_LIST_LEASES]
             try:
-                listed = await self._client.list_leases(request_id_prefix=rid, limit=64)
+                listed = await self._client.list_leases(request_ids=batch)
             except Exception as e:
-                log.warning("kvsvc: could not look up the lease of %s: %s", rid, e)
+                log.warning("kvsvc: could not look up the leases of %d requests (%s...): %s", len(batch), batch[0], e)
                 continue
-            if not any(lease.request_id == rid for lease in listed.leases):
-                self._record_release(rid, "")
+            live = {lease.request_id for lease in listed.leases}
+            for rid in batch:
+                if rid not in live:
+                    self._record_release(rid, "")
+        self.gap_repairs += 1
 
     def _record_release(self, request_id: str, reason: str) -> None:
         with self._lock:
