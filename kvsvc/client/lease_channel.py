@@ -147,16 +147,22 @@ class LeaseChannel:
             call = make(next(self._ids))
             stream: Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer] | None = None
             fut: asyncio.Future[pb.LeaseAnswer] | None = None
+            number: int | None = None  # the call's number on the stream, once queued
             try:
-                # The deadline covers the write too: a write stuck past it ends the stream
-                # (send does that when cancelled mid-write), and the next call opens a new one.
+                # The deadline covers the write too; a write stuck past it ends the stream
+                # (below), and the next call opens a new one.
                 async with asyncio.timeout_at(deadline):
                     stream = self._stream if self.is_open else await self._open()
                     assert stream is not None
                     fut = stream.expect(call.call_id)
+                    number = stream.queued
                     await stream.send(call)
                     return await fut
             except TimeoutError:
+                if stream is not None and number is not None and stream.unwritten(number):
+                    # This call was not even written within its timeout: P stopped reading. The
+                    # next call opens a fresh stream instead of queueing behind it.
+                    stream.end(Unreachable(f"a write on the LeaseChannel to {self.address} took over {timeout:.3f} s"))
                 raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, f"no answer on the LeaseChannel to {self.address} "
                                        f"within {timeout:.3f} s") from None
             except StreamEnded as e:

@@ -4,9 +4,10 @@ A caller registers a future under its call's key, queues the call, and awaits th
 answers are matched to futures by key as they arrive. The stream runs on one of two
 carriers, and the multiplexer hides which:
 
-- a gRPC bidirectional call: whoever queues while no write is in flight writes, and keeps
-  writing what others queued meanwhile, a message at a time (no writer task: no extra
-  hop); a reader task takes the answers;
+- a gRPC bidirectional call: a write task, started by whoever queues while none runs,
+  writes what is queued, a message at a time; the caller that started it awaits it
+  shielded, so no caller's cancellation can cut a message carrying others' calls; a reader
+  task takes the answers;
 - a framed Unix socket (SocketCall): what is queued in one loop turn goes out as one
   message at its end (a callback: no caller's cancellation can cut a message in two), and
   answers are handed over inside the callback that read them.
@@ -74,7 +75,10 @@ class Multiplexer(Generic[K, Item, Answer]):
         self.pending: dict[K, asyncio.Future[Answer]] = {}
         self.queue: list[Item] = []
         self.ended = False
-        self._writing = False
+        self._writing = False  # the socket carrier's flush is scheduled
+        self._writer: asyncio.Task[None] | None = None  # the gRPC carrier's writes
+        self.queued = 0  # calls ever queued: the next one queued is call number `queued`
+        self.written = 0  # calls ever written: the first `written` calls are out
         self.reader: asyncio.Task[None] | None = None
         if isinstance(call, SocketCall):
             call.attach(self._deliver, self.end)
@@ -95,43 +99,61 @@ class Multiplexer(Generic[K, Item, Answer]):
             del self.pending[key]
 
     async def send(self, item: Item) -> None:
-        """Queue one call; returns once it is written or handed to the write in flight."""
+        """Queue one call; returns once it is written or handed to the write in flight.
+
+        On the gRPC carrier the writes run in a task of their own, which this caller awaits
+        shielded: a message carries other callers' calls too, and a write cut in the middle
+        breaks the stream for every call on it, so a caller that is cancelled (or whose
+        deadline passes) stops waiting while the write goes on."""
         if self.ended:
             raise StreamEnded(None, self.kind.what)
         self.queue.append(item)
-        if self._writing:
-            return  # the write in flight (or the flush at the end of this loop turn) sends it
-        self._writing = True
+        self.queued += 1
         if isinstance(self.call, SocketCall):
-            asyncio.get_running_loop().call_soon(self._flush)
+            if not self._writing:
+                self._writing = True
+                asyncio.get_running_loop().call_soon(self._flush)
             return
+        if self._writer is not None and not self._writer.done():
+            return  # the write in flight sends it
+        self._writer = asyncio.get_running_loop().create_task(self._write_queued(), name=f"kvsvc {self.kind.what} write")
+        await asyncio.shield(self._writer)
+
+    async def _write_queued(self) -> None:
+        """The gRPC carrier's writes: every queued call, a message at a time. A failed write
+        ends the stream (whether the message left is unknown: its calls' outcomes are unknown,
+        as for a lost call); its callers learn that through their futures."""
         try:
-            while (msg := self._next_message()) is not None:
+            while (out := self._next_message()) is not None:
+                msg, n = out
                 await self.call.write(msg)
+                self.written += n
         except BaseException as e:
-            # Broken, or this writer cancelled mid-write: whether the message left is
-            # unknown, so the stream ends (its calls' outcomes are unknown, as for a lost call).
             if (self.kind.status_after_failed_write and not isinstance(e, asyncio.CancelledError)
                     and not self.ended and self.reader is not None):
                 await asyncio.wait([self.reader], timeout=STATUS_WAIT_S)
             self.end(Unreachable(f"{self.kind.what} write failed: {type(e).__name__}"))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            self._writing = False
 
-    def _next_message(self) -> Message | None:
+    def unwritten(self, number: int) -> bool:
+        """Whether call number `number` (self.queued when it was sent) is not written yet: at
+        its caller's deadline, a sign the server stopped reading (flow control) and the
+        stream is no use to anyone."""
+        return not self.ended and number >= self.written
+
+    def _next_message(self) -> tuple[Message, int] | None:
         if self.ended or not self.queue:
             return None
         batch, self.queue = self.queue[:self.batch], self.queue[self.batch:]
-        return self.kind.pack(batch)
+        return self.kind.pack(batch), len(batch)
 
     def _flush(self) -> None:
         """The socket's write of what this loop turn queued."""
         self._writing = False
         try:
-            while (msg := self._next_message()) is not None:
+            while (out := self._next_message()) is not None:
+                msg, n = out
                 self.call.write_now(msg)
+                self.written += n
         except Exception as e:
             self.end(Unreachable(f"{self.kind.what} socket write failed: {type(e).__name__}: {e}"))
 
@@ -174,6 +196,7 @@ class Multiplexer(Generic[K, Item, Answer]):
 
     async def close(self) -> None:
         self.end(Unreachable(f"{self.kind.what} was closed"))
-        if self.reader is not None:
-            self.reader.cancel()
-            await asyncio.gather(self.reader, return_exceptions=True)
+        tasks = [t for t in (self.reader, self._writer) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -136,12 +136,17 @@ class TransferChannel:
         call = pb.TransferCall(request=req, timeout_ms=min(_MAX_TIMEOUT_MS, max(1, int(timeout * 1000))),
                                traceparent=traceparent)
         answered = False
+        number = stream.queued  # this call's number on the stream
         try:
             async with asyncio.timeout(timeout):
                 await stream.send(call)
                 answer = await fut
             answered = True
         except TimeoutError:
+            if stream.unwritten(number):
+                # Not even written within the transfer's timeout: the server stopped reading;
+                # the next transfer opens a fresh stream instead of queueing behind it.
+                stream.end(Unreachable(f"a write on the TransferStream to {self.address} took over {timeout:.3f} s"))
             raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, f"no answer from {self.address} for transfer "
                                    f"{req.request_id!r} within {timeout:.3f} s") from None
         except StreamEnded as e:

@@ -92,12 +92,21 @@ class Lease:
     digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
 
 
+def _claim_digest(claim_id: str) -> bytes:
+    """8 bytes that stand for a claim id in a tombstone (kept small: 100k tombstones)."""
+    return hashlib.blake2b(claim_id.encode(), digest_size=8).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class Tombstone:
     """What stays of a released lease: enough to answer late claims and notifications."""
 
     state: LeaseState
     released_unix_ms: int
+    # For a CONSUMED lease: short digests of the claim ids that consumed it, so that a
+    # claimant's retried claim-and-consumed (its stream broke before the answer) is
+    # answered CONSUMED again instead of LEASE_EXPIRED (its READs were good).
+    consumed_by: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,8 +302,10 @@ class LeaseTable:
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
               d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
-              consumed: bool = False, digest: bytes = b"") -> Lease:
+              consumed: bool = False, digest: bytes = b"") -> Lease | None:
         """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
+        None: a claim-and-consumed that this claim_id already made (the lease is released
+        CONSUMED; a retry after a lost answer gets the same answer, never LEASE_EXPIRED).
 
         A lease has one owner per D rank: another claim_id for overlapping ranks, or any
         claim from another D engine, is refused with LEASE_CLAIMED. consumed: the claimant
@@ -303,9 +314,14 @@ class LeaseTable:
         that the lease was never released while they read. digest (blocks_digest of the
         params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
         """
-        lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
-                            d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
-                            digest=digest)
+        try:
+            lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
+                                d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
+                                digest=digest)
+        except FailedPrecondition as e:
+            if consumed and e.reason == Reason.LEASE_EXPIRED and self.consumed_by(request_id, epoch, claim_id):
+                return None  # this claim consumed it already: a retry, answered as the first was
+            raise
         if consumed:
             assert lease.tracker is not None
             lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
@@ -429,6 +445,12 @@ class LeaseTable:
         """The live lease of request_id, if any."""
         return self._live.get(request_id)
 
+    def consumed_by(self, request_id: str, epoch: int, claim_id: str) -> bool:
+        """Whether claim_id's claim consumed request_id's lease (of this epoch), per its tombstone."""
+        dead = self._dead.get(request_id)
+        return (epoch == self.epoch and dead is not None and dead.state is LeaseState.CONSUMED
+                and _claim_digest(claim_id) in dead.consumed_by)
+
     def final_state(self, request_id: str) -> LeaseState | None:
         """How request_id's lease ended, while its tombstone is kept; None while it is live
         or when nothing is known of it (never leased, or forgotten long ago)."""
@@ -512,7 +534,8 @@ class LeaseTable:
         self._hold(lease.block_ids, -1)
         # A tombstone keeps the final state only: block lists of released leases would
         # otherwise pile up (a 100k-entry history of long requests is gigabytes).
-        self._remember(self._dead, lease.request_id, Tombstone(reason, lease.released_unix_ms))
+        consumed_by = tuple(_claim_digest(c) for c in lease.claims) if reason is LeaseState.CONSUMED else ()
+        self._remember(self._dead, lease.request_id, Tombstone(reason, lease.released_unix_ms, consumed_by))
         log.info("released %s: %s%s", lease.request_id, reason.value, "" if announce else " (withdrawn)")
         if not announce:  # never handed out: the engine hears of it from its failed publish
             return

@@ -175,11 +175,11 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
     d_dcp = req.dcp_size or 1
     if d_dcp not in (1, req.tp_size):
         raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", Reason.INVALID_DCP_SIZE)
-    lease: Lease = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
+    lease: Lease | None = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
                                      d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
                                      extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed,
                                      digest=req.blocks_digest)
-    if lease.state.released:
+    if lease is None or lease.state.released:  # None: this claim consumed it before (a retry)
         return pb.ClaimLeaseResponse(state=pb.LEASE_STATE_CONSUMED)
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)),

@@ -283,3 +283,23 @@ async def test_a_server_without_transfer_stream_gets_unary_transfers():
             await channel.close()
     finally:
         await server.stop(0)
+
+
+async def test_a_retried_claim_and_consumed_is_answered_consumed_on_either_path(prefill):
+    """D's lease channel retries a call once when its stream breaks before the answer: a
+    claim-and-consumed that P had applied must then be answered CONSUMED again (D's READs
+    were good), not LEASE_EXPIRED; another claim id still gets LEASE_EXPIRED."""
+    _, client = prefill
+    lane = client.lease_channel()
+    try:
+        pub = await client.publish_blocks("retried", [[1]])
+        first = await lane.claim_lease(claim(pub, "r" * 16, consumed=True))
+        assert first.state == pb.LEASE_STATE_CONSUMED
+        for call in (lane.claim_lease, client.claim_lease):
+            again = await call(claim(pub, "r" * 16, consumed=True))
+            assert again.state == pb.LEASE_STATE_CONSUMED
+        with pytest.raises(FailedPrecondition) as e:
+            await lane.claim_lease(claim(pub, "s" * 16, consumed=True))
+        assert e.value.reason == "LEASE_EXPIRED"
+    finally:
+        await lane.close()

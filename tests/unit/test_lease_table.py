@@ -219,6 +219,28 @@ async def test_a_consumed_claim_releases_in_one_step(table):
     assert table.claimed_count == 0 and table.claims == [+1, -1]  # type: ignore[attr-defined]
 
 
+async def test_a_retried_claim_and_consumed_is_answered_as_the_first(table):
+    """Its answer was lost (the stream broke): the same claim again is told CONSUMED (its READs
+    were good), not LEASE_EXPIRED; any other claim, or another epoch, is still refused."""
+    table.publish("r", [[1]], None)
+    token = table.get("r").token
+    assert claim_consumed(table, "r").state is LeaseState.CONSUMED
+    assert claim_consumed(table, "r", token=token) is None  # the retry: nothing changes, no error
+    assert table.final_state("r") is LeaseState.CONSUMED
+    with pytest.raises(FailedPrecondition) as e:
+        claim_consumed(table, "r", CLAIM_B, token=token)
+    assert e.value.reason == "LEASE_EXPIRED"
+    with pytest.raises(FailedPrecondition):
+        claim_consumed(table, "r", token=token, epoch=8)
+    with pytest.raises(FailedPrecondition):  # a plain claim (no consumed) is not a retry of one
+        claim(table, "r", token=token)
+    table.publish("x", [[2]], None)
+    x = table.get("x")
+    table.notify("x", ABORTED, [], 7, token=x.token)
+    with pytest.raises(FailedPrecondition):  # aborted, not consumed by this claim
+        claim_consumed(table, "x", token=x.token)
+
+
 async def test_the_pump_runs_from_the_first_live_lease_to_the_last_release(table):
     """A D may read any live lease (it claims after reading): the pump hears of the table's
     first lease and of its last release, nothing in between."""

@@ -148,3 +148,54 @@ async def test_the_socket_sends_a_loop_turns_calls_as_one_message_in_batches():
     mux._deliver({"answers": [(k, k.upper()) for k in "edcba"]})  # as the socket hands a message over
     assert [await f for f in futs] == list("ABCDE")
     await mux.close()
+
+
+class HeldWriteCall(FakeGrpcCall):
+    """A gRPC call whose writes wait for the test to let them through (one event each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def write(self, msg: list[str]) -> None:
+        self.writing.set()
+        await self.go.wait()
+        self.written.append(msg)
+
+
+async def test_a_caller_cancelled_mid_write_ends_only_its_own_wait():
+    """The caller whose task writes a message carrying a bystander's call is cancelled while
+    the write is in flight: the write completes, the stream stays open, the bystander is
+    answered (a cut write used to end the stream for every call on it)."""
+    call = HeldWriteCall()
+    mux = Multiplexer(call, KIND, batch=8)
+    mine, theirs = mux.expect("mine"), mux.expect("theirs")
+    writer = asyncio.ensure_future(mux.send("mine"))
+    await call.writing.wait()
+    await mux.send("theirs")  # queued behind the write in flight
+    writer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writer
+    mux.forget("mine", mine)
+    call.go.set()
+    call.responses.put_nowait({"answers": [("theirs", "T")]})
+    assert await asyncio.wait_for(theirs, 10) == "T"
+    assert not mux.ended and call.written == [["mine"], ["theirs"]]
+    await mux.close()
+
+
+async def test_a_call_is_unwritten_until_its_message_is_out():
+    call = HeldWriteCall()
+    mux = Multiplexer(call, KIND, batch=8)
+    mux.expect("a")
+    first = mux.queued
+    writer = asyncio.ensure_future(mux.send("a"))
+    await call.writing.wait()
+    second = mux.queued
+    await mux.send("b")  # behind the write in flight
+    assert mux.unwritten(first) and mux.unwritten(second)
+    call.go.set()
+    await writer  # returns once the writer wrote everything queued
+    assert not mux.unwritten(first) and not mux.unwritten(second)
+    await mux.close()
