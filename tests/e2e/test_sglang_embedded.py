@@ -184,3 +184,32 @@ def test_releases_missed_while_the_release_watch_was_behind_are_reported_once(pa
     time.sleep(0.2)  # a duplicate would come right behind
     assert sorted(released) == [("after", LeaseState.EXPIRED)] + [(f"gap-{i}", LeaseState.EXPIRED) for i in range(3)]
     assert p._unreleased == set()
+
+
+def test_a_withdraw_on_a_stalled_loop_is_answered_only_once_it_ran(pair):
+    """P's server loop stalls (held on an event here) while SGLang takes a lease back, and D's
+    claim is already queued on it: no answer is "not yet", never "gone" (SGLang would free
+    pages D is about to read) -- once the loop runs, the claim comes first and the withdraw
+    answers False; the room ends with the claim's release."""
+    p, _, _, _, released, done = pair
+    params = p.lease("stalled", [[2]], TOKEN)
+    held, holding = threading.Event(), threading.Event()
+
+    async def stall() -> None:
+        holding.set()
+        held.wait(60)  # blocks the loop itself, as a long stall would
+
+    async def claim() -> None:  # D's claim, queued on the loop before the withdraw
+        node = p.server.node
+        node.leases.claim("stalled", params.remote_epoch, token=TOKEN, claim_id="c" * 32, d_engine_id="other-d",
+                          d_tp_size=1)
+
+    p._loop.submit(stall())
+    assert holding.wait(30)
+    claimed = p._loop.submit(claim())
+    answer = p.withdraw_later("stalled", TOKEN)
+    assert not answer.done() and not claimed.done()
+    held.set()
+    claimed.result(30)
+    assert answer.result(30) is False  # D holds a claim: the pages stay SGLang's to keep
+    assert not done.is_set() and released == []

@@ -35,6 +35,7 @@ staging buffers, host destinations, and GPU-resident aux buffers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
@@ -419,9 +420,22 @@ class KvsvcKVManager(CommonKVManager):
             self._withdraw(room_id)
 
     def _withdraw(self, room_id: int) -> None:
+        """Take the lease back; the room fails (SGLang frees its pages) only once the server
+        said nobody can read them. Not waited for here: a server loop that stalls must
+        neither block SGLang's scheduler nor be taken as an answer (a withdraw that ran late
+        could find D's claim, and pages freed meanwhile would be read while refilled)."""
         try:
-            gone = self.kvsvc.withdraw(request_id(room_id), self.token(room_id))
-        except Exception as e:  # the server is stopping: it reads nothing any more
+            answer = self.kvsvc.withdraw_later(request_id(room_id), self.token(room_id))
+        except Exception as e:  # the server has stopped: it reads nothing any more
+            log.warning("kvsvc: could not take back the lease of %s: %s", room_id, e)
+            self.update_status(room_id, KVPoll.Failed)
+            return
+        answer.add_done_callback(lambda f: self._withdrawn(room_id, f))
+
+    def _withdrawn(self, room_id: int, answer: concurrent.futures.Future[bool]) -> None:
+        try:
+            gone = answer.result()
+        except Exception as e:  # the server stopped before it ran: it reads nothing any more
             log.warning("kvsvc: could not take back the lease of %s: %s", room_id, e)
             gone = True
         if gone:

@@ -135,7 +135,15 @@ class EmbeddedServer:
     def withdraw(self, request_id: str, token: str) -> bool:
         """Take back an unclaimed lease (P aborts the request). True: nobody can read the pages
         any more (withdrawn, already released, or never made); False: D holds a claim and
-        reads, and the release that ends it comes through on_release."""
+        reads, and the release that ends it comes through on_release. Waits for the answer
+        however long the server's loop takes (see withdraw_later)."""
+        return self.withdraw_later(request_id, token).result()
+
+    def withdraw_later(self, request_id: str, token: str) -> concurrent.futures.Future[bool]:
+        """withdraw() without waiting: the future says True or False once the server's loop
+        has run the withdraw. It has no timeout on purpose: a withdraw that has not run yet
+        may still find D's claim, so "no answer yet" never means "gone" (the pages are
+        freed only on True)."""
         async def take_back() -> bool:
             node = self.server.node
             try:
@@ -145,7 +153,7 @@ class EmbeddedServer:
             self._unreleased.discard(request_id)  # a withdrawn lease is not announced: nothing to wait for
             return True
 
-        return self._loop.run(take_back(), CALL_TIMEOUT_S)
+        return self._loop.submit(take_back())
 
     async def _watch_releases(self, server: RunningServer) -> None:
         """Every lease this server releases, to on_release, once. The subscription is read on
