@@ -118,3 +118,31 @@ def test_a_gap_is_repaired_by_exact_id_never_by_prefix():
         assert _sent_within(w, 3.0) == {"cmpl-1"}  # its real release, heard on the new stream
     finally:
         w.shutdown()
+
+
+def test_a_lease_released_in_a_gap_before_vllm_kept_its_blocks_is_still_reported():
+    """An early lease (made before vLLM says it keeps the request's blocks) is released while
+    the release stream is broken, and the gap is looked up before vLLM's word comes: the
+    lookup had nothing to look for, and the release was never reported (P kept the blocks
+    for good). It must be reported once vLLM says it keeps them."""
+    w = _worker()
+    try:
+        assert w.info is not None
+
+        async def publish():
+            async with AsyncClient(w.info.address) as c:
+                return await c.publish_blocks("early-1", [[3]], lease_ttl_ms=60_000)
+
+        pub = asyncio.run(publish())
+        stream = w._release_stream
+        assert stream is not None
+        w._loop.loop.call_soon_threadsafe(stream.cancel)  # the gap opens
+        asyncio.run(abort_published(pub.params, engine_id="router"))  # released in it
+        end = time.monotonic() + 30
+        while w.gap_repairs == 0 and time.monotonic() < end:  # the gap looked up: nothing delayed yet
+            time.sleep(0.01)
+        assert w.gap_repairs >= 1 and w.transfer_results(set())[0] == set()
+        w.start_load_kv(KvsvcConnectorMetadata(delayed={"early-1"}))  # vLLM keeps its blocks now
+        assert _sent_within(w, 3.0) == {"early-1"}
+    finally:
+        w.shutdown()

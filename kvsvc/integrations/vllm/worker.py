@@ -291,6 +291,14 @@ class KvsvcWorker:
                 log.warning("kvsvc: rank %d could not take back the early lease of %s: %s", self.tp_rank, rid, e)
         for rid, order in publish.items():
             self._lease(server, rid, order)
+        # Every request vLLM now keeps blocks for has had its lease made (in this step or,
+        # early, in an earlier one). One with no live lease left was released before vLLM
+        # said so -- an early lease released while the release stream was broken is heard
+        # of no other way -- and is reported now (twice is harmless: reported once).
+        table = server.node.leases
+        for rid in delayed:
+            if table.get(rid) is None:
+                self._record_release(rid, "")
 
     def _lease(self, server: RunningServer, rid: str, order: Publish) -> None:
         """Lease one request's blocks on this rank's server, in process, under the token the
