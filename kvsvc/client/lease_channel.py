@@ -32,7 +32,7 @@ from google.rpc import status_pb2
 
 from kvsvc.client.client import AsyncClient
 from kvsvc.client.errors import error_from_status
-from kvsvc.client.multiplex import Multiplexer, StreamEnded, StreamKind
+from kvsvc.client.multiplex import DEFAULT_MAX_MESSAGE_BYTES, Multiplexer, StreamEnded, StreamKind
 from kvsvc.client.socket_call import SocketCall
 from kvsvc.errors import Cancelled, DeadlineExceeded, Internal, KvsvcError, Unimplemented, Unreachable
 from kvsvc.framing import LEASE_SOCKET_NAME, socket_path_of
@@ -70,12 +70,13 @@ def _answers(resp: pb.LeaseChannelResponse) -> Iterator[tuple[int, pb.LeaseAnswe
 
 LEASE_STREAM: StreamKind[int, pb.LeaseCall, pb.LeaseAnswer] = StreamKind(
     "the LeaseChannel", lambda calls: pb.LeaseChannelRequest(calls=calls), _answers,
-    lambda resp: _decode_error(resp.stream_error) if resp.stream_error else None, status_after_failed_write=False)
+    lambda resp: _decode_error(resp.stream_error) if resp.stream_error else None, status_after_failed_write=False,
+    key=lambda call: call.call_id)
 
 
-def lease_stream(call: Any) -> Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer]:
+def lease_stream(call: Any, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Multiplexer[int, pb.LeaseCall, pb.LeaseAnswer]:
     """One LeaseChannel (a gRPC call or a lease socket connection) shared by many calls."""
-    return Multiplexer(call, LEASE_STREAM, MAX_LEASE_CALLS)
+    return Multiplexer(call, LEASE_STREAM, MAX_LEASE_CALLS, max_bytes)
 
 
 def _decode_error(data: bytes) -> KvsvcError:
@@ -208,5 +209,5 @@ class LeaseChannel:
                 call = self._client.channel.stream_stream(
                     _METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
                     response_deserializer=pb.LeaseChannelResponse.FromString)()
-            self._stream = lease_stream(call)
+            self._stream = lease_stream(call, self._client.options.max_message_bytes)
             return self._stream

@@ -32,6 +32,7 @@ from google.protobuf.message import Message
 from kvsvc.client.errors import error_from_rpc
 from kvsvc.client.socket_call import SocketCall
 from kvsvc.errors import KvsvcError, Unreachable
+from kvsvc.limits import too_big
 
 K = TypeVar("K", bound=Hashable)  # what matches an answer to its call (call_id, request_id)
 Item = TypeVar("Item")  # one queued call
@@ -40,6 +41,16 @@ Answer = TypeVar("Answer")
 # After a failed write, how long the reader may take to bring the server's status (for
 # the kinds that wait for it).
 STATUS_WAIT_S = 2.0
+# A stream's messages are bounded in bytes as well as in calls (ClientOptions.max_message_bytes,
+# which the servers' limit matches by default); a message's own framing and each call's
+# field tag and length fit in these.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MESSAGE_MARGIN_BYTES = 64 * 1024
+CALL_OVERHEAD_BYTES = 16
+
+
+def _size(item: object) -> int:
+    return item.ByteSize() if isinstance(item, Message) else len(str(item))
 
 
 class StreamEnded(Exception):
@@ -63,15 +74,20 @@ class StreamKind(Generic[K, Item, Answer]):
     # server's status is the better account, so the reader is given a moment to bring it.
     # A kind whose broken calls are retried on a fresh stream (LeaseChannel) ends at once.
     status_after_failed_write: bool
+    key: Callable[[Item], K | None] = lambda _item: None  # a queued call's key (None: nobody waits on it)
 
 
 class Multiplexer(Generic[K, Item, Answer]):
     """One open stream (a gRPC call or a SocketCall) shared by many calls."""
 
-    def __init__(self, call: Any, kind: StreamKind[K, Item, Answer], batch: int) -> None:
+    def __init__(self, call: Any, kind: StreamKind[K, Item, Answer], batch: int,
+                 max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.call = call
         self.kind = kind
         self.batch = batch  # the most calls one message carries
+        # ...and the most bytes: the carrier's message limit (both ends take 64 MiB by default)
+        # less room for the message's own framing.
+        self.max_bytes = max(1024, max_bytes - MESSAGE_MARGIN_BYTES)
         self.pending: dict[K, asyncio.Future[Answer]] = {}
         self.queue: list[Item] = []
         self.ended = False
@@ -141,15 +157,38 @@ class Multiplexer(Generic[K, Item, Answer]):
         return not self.ended and number >= self.written
 
     def _next_message(self) -> tuple[Message, int] | None:
-        if self.ended or not self.queue:
-            return None
-        batch, self.queue = self.queue[:self.batch], self.queue[self.batch:]
-        return self.kind.pack(batch), len(batch)
+        """The next message: queued calls, in order, up to `batch` of them and `max_bytes`.
+        A call too large for any message fails alone (FIELD_TOO_LARGE) and is never written:
+        a message past the carrier's limit would end the stream for every call on it."""
+        while not self.ended and self.queue:
+            batch: list[Item] = []
+            size = 0
+            for item in self.queue[:self.batch]:
+                n = _size(item) + CALL_OVERHEAD_BYTES
+                if batch and size + n > self.max_bytes:
+                    break
+                batch.append(item)
+                size += n
+            del self.queue[:len(batch)]
+            if size > self.max_bytes:  # one call alone, too large
+                self._refuse(batch[0], size)
+                self.written += 1
+                continue
+            return self.kind.pack(batch), len(batch)
+        return None
+
+    def _refuse(self, item: Item, size: int) -> None:
+        key = self.kind.key(item)
+        fut = self.pending.pop(key, None) if key is not None else None
+        if fut is not None and not fut.done():
+            fut.set_exception(too_big(f"a call on {self.kind.what}", size, self.max_bytes, "bytes"))
 
     def _flush(self) -> None:
         """The socket's write of what this loop turn queued."""
         self._writing = False
         try:
+            if self.queue:
+                self.call.check_reading()
             while (out := self._next_message()) is not None:
                 msg, n = out
                 self.call.write_now(msg)

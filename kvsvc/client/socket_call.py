@@ -42,14 +42,22 @@ class SocketCall(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
 
+    def check_reading(self) -> None:
+        """Raise if the server stopped reading: more than MAX_UNSENT_BYTES left unsent from
+        earlier writes. Asked before a loop turn's writes, never after one: a large message
+        (a legal Transfer of several MiB) is no sign that the server stopped."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError(f"{self._what} is closed")
+        backlog = transport.get_write_buffer_size()
+        if backlog > MAX_UNSENT_BYTES:
+            raise ConnectionResetError(f"{backlog} bytes unsent: the server stopped reading")
+
     def write_now(self, msg: Message) -> None:
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError(f"{self._what} is closed")
         transport.write(frame(msg))
-        backlog = transport.get_write_buffer_size()
-        if backlog > MAX_UNSENT_BYTES:
-            raise ConnectionResetError(f"{backlog} bytes unsent: the server stopped reading")
 
     def data_received(self, data: bytes) -> None:
         self._buf += data

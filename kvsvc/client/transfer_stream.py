@@ -36,7 +36,7 @@ from google.rpc import status_pb2
 
 from kvsvc.client.client import AsyncClient, blocks_proto
 from kvsvc.client.errors import error_from_rpc, error_from_status
-from kvsvc.client.multiplex import Multiplexer, StreamEnded, StreamKind
+from kvsvc.client.multiplex import DEFAULT_MAX_MESSAGE_BYTES, Multiplexer, StreamEnded, StreamKind
 from kvsvc.client.socket_call import SocketCall
 from kvsvc.errors import Cancelled, DeadlineExceeded, Internal, KvsvcError, Unimplemented, Unreachable
 from kvsvc.framing import TRANSFER_SOCKET_NAME, socket_path_of
@@ -68,14 +68,14 @@ def _answers(resp: pb.TransferStreamResponse) -> Iterator[tuple[str, pb.Transfer
 TRANSFER_STREAM: StreamKind[str, pb.TransferCall | str, pb.TransferAnswer] = StreamKind(
     "the TransferStream", _pack, _answers,
     lambda resp: _status_error(resp.stream_error, "the transfer socket's end") if resp.stream_error else None,
-    status_after_failed_write=True)
+    status_after_failed_write=True, key=lambda item: item.request.request_id if isinstance(item, pb.TransferCall) else None)
 
 _Stream = Multiplexer[str, pb.TransferCall | str, pb.TransferAnswer]
 
 
-def transfer_stream(call: Any) -> _Stream:
+def transfer_stream(call: Any, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> _Stream:
     """One TransferStream (a gRPC call or a transfer socket connection) shared by many transfers."""
-    return Multiplexer(call, TRANSFER_STREAM, MAX_STREAM_CALLS)
+    return Multiplexer(call, TRANSFER_STREAM, MAX_STREAM_CALLS, max_bytes)
 
 
 class TransferChannel:
@@ -192,7 +192,7 @@ class TransferChannel:
                         response_deserializer=pb.TransferStreamResponse.FromString)()
                     self.streams_opened += 1  # opened, even if the server then refuses it
                     await _accepted(call)
-                    stream = transfer_stream(call)
+                    stream = transfer_stream(call, self._client.options.max_message_bytes)
                 else:
                     self.streams_opened += 1
                 self._stream = stream
@@ -217,7 +217,7 @@ class TransferChannel:
                     return None
             call = await self._connect(self._socket_path)
             if call is not None:
-                return transfer_stream(call)
+                return transfer_stream(call, self._client.options.max_message_bytes)
             self._socket_path = "" if asked else None  # a path just given is given up; an older one asked again
         return None
 

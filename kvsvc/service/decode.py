@@ -123,8 +123,8 @@ class Decoder:
         """
         job = self.join(req, time_remaining_s, trace_ctx)
         try:
-            if not job.settled.is_set():
-                await job.settled.wait()  # a cancel here is this caller's, never the job's
+            if not job.finished.is_set():
+                await job.finished.wait()  # a cancel here is this caller's, never the job's
         finally:
             self.leave(job)
         return self.outcome(job)
@@ -231,7 +231,9 @@ class Decoder:
         async with contextlib.AsyncExitStack() as stack:
             with self._lease_back_if_unposted(req.params):
                 legs = await self._pair(req.params, stack)
-                run = TransferRun(self.node, req, legs, deadline, recorded, self._keep)
+                job = self.jobs.find(req.request_id)  # this one's, running this coroutine
+                run = TransferRun(self.node, req, legs, deadline, recorded, self._keep,
+                                  quarantine=job.quarantine if job is not None else lambda _events: None)
                 reads = run.plan()
             return await run.execute(reads)
 

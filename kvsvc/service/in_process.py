@@ -52,8 +52,11 @@ class InProcessTransfers:
 
     async def settled(self, request_id: str, error: BaseException | None = None) -> None:
         """Return once the transfer request_id can no longer write into its local blocks
-        (at once for an error that carries TransferFailure: it was answered after that)."""
-        if isinstance(error, KvsvcError) and any(isinstance(d, pb.TransferFailure) for d in error.details):
+        (at once for an error that carries TransferFailure: it was answered after that --
+        unless the failure says quarantined: READs of it may still land, and this waits
+        until they ended)."""
+        failure = next((d for d in getattr(error, "details", ()) if isinstance(d, pb.TransferFailure)), None)
+        if isinstance(error, KvsvcError) and failure is not None and not failure.quarantined:
             return
         while not await self._decoder.given_up(request_id):
             # A retry of the same id still waits for it and it goes on: its end settles it.

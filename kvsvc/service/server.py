@@ -256,6 +256,8 @@ def _add_gauges(running: RunningServer) -> None:
             lambda: node.leases.claimed_count)
     m.gauge("kvsvc_peers", "P servers this D server has handshaken with", lambda: decoder.peers.cached)
     m.gauge("kvsvc_running_transfers", "Transfers running on this D server", lambda: decoder.jobs.running)
+    m.gauge("kvsvc_quarantined_transfers", "Failed transfers on this D server whose READs may still land: their "
+            "local blocks are not free until these end", lambda: decoder.jobs.quarantined)
     m.gauge("kvsvc_nixl_remote_agents", "Remote NIXL agents loaded here (peers' ranks, on every copy lane)",
             lambda: node.data.remote_agents if node.data is not None else 0)
 

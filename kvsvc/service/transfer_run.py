@@ -58,9 +58,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A failed transfer cancels its READs and waits for every one to end before it answers
-# (D's blocks must not be written after the caller was told they are invalid); past
-# this long it says so in the log and keeps waiting.
-DRAIN_WARN_S = 10.0
+# (D's blocks must not be written after the caller was told they are invalid). A READ
+# still not ended this long after (a link gone dead that UCX has not given up on), or one
+# a stopped data plane can no longer end or report on, is quarantined: the answer says so
+# (TransferFailure.quarantined), and the job settles only once every such READ ended.
+QUARANTINE_AFTER_S = 10.0
 # The least time left a failed transfer keeps for its answer (see _answer_by).
 MIN_DEADLINE_MARGIN_S = 0.05
 # How long D goes on telling P that a failed transfer let go (after its answer, when P
@@ -90,8 +92,10 @@ class TransferRun:
     """One Transfer over paired legs: plan(), then execute() (see the module's docstring)."""
 
     def __init__(self, node: Node, req: pb.TransferRequest, legs: list[Leg], deadline: float,
-                 recorded: list[Callable[[], None]], keep: Callable[[asyncio.Future[Any]], None]) -> None:
+                 recorded: list[Callable[[], None]], keep: Callable[[asyncio.Future[Any]], None],
+                 quarantine: Callable[[list[asyncio.Event]], None] = lambda _events: None) -> None:
         self.node, self.req, self.p, self.legs = node, req, req.params, legs
+        self._quarantine = quarantine  # the job's: settle only once these READs ended
         self.deadline = deadline
         self.recorded = recorded  # metrics to record once the job was answered
         self._keep = keep  # holds a background task until it ends (the Decoder waits for them on close)
@@ -282,8 +286,10 @@ class TransferRun:
         Returns the error to raise: a failure whose P server no longer answers becomes
         PEER_UNAVAILABLE naming it (retryable elsewhere), not an internal error.
         """
-        await self._settle_reads()
-        # The READs settled: from here on only P's answers are waited for, and only until
+        unsettled = await self._settle_reads()
+        if unsettled:
+            self._quarantine([f.settled for f in unsettled])
+        # The READs settled (or are quarantined): from here on only P's answers are waited for, and only until
         # the answer is due (the caller's deadline less the margin's last half), so a P
         # that stalls cannot turn the typed answer into a bare DEADLINE_EXCEEDED. What P has
         # not answered by then is told on in the background.
@@ -300,22 +306,33 @@ class TransferRun:
         if claimed is not None and claimed.done() and not claimed.cancelled():
             claimed.exception()  # its error is err's cause or was already raised; seen here either way
         notified, gone = await self._abort(answer_by)
-        return self._final_error(err, notified, gone)
+        return self._final_error(err, notified, gone, quarantined=bool(unsettled))
 
-    async def _settle_reads(self) -> None:
+    async def _settle_reads(self) -> list[Flight]:
         """Cancel what NIXL can, then wait for every READ to end: D's blocks must not be
-        written after the caller was told the transfer failed. Never given up on (this
-        runs under _to_the_end: a cancel of the job does not reach it)."""
+        written after the caller was told the transfer failed. Returns the READs that did not
+        end within QUARANTINE_AFTER_S, or that a stopped data plane can no longer end or
+        report on (they may still land: an RDMA NIC needs no thread): quarantined. Runs under
+        _to_the_end: a cancel of the job does not reach it."""
         unsettled = [x.flight for x in self.posted if not x.flight.settled.is_set()]
         if not unsettled:
-            return
-        await self.node.require_data_plane("Transfer").abort(unsettled)
+            return []
+        data = self.node.data
+        if data is None or not data.alive:
+            log.error("transfer %s: %d READs in flight when the data plane stopped: quarantined",
+                      self.req.request_id, len(unsettled))
+            return unsettled
+        await data.abort(unsettled)
         waited = asyncio.gather(*(f.settled.wait() for f in unsettled))
         try:
-            await asyncio.wait_for(asyncio.shield(waited), DRAIN_WARN_S)
+            await asyncio.wait_for(asyncio.shield(waited), QUARANTINE_AFTER_S)
         except TimeoutError:
-            log.error("READs of %s still in flight after %.0f s", self.p.remote_request_id, DRAIN_WARN_S)
-            await waited
+            waited.cancel()
+            still = [f for f in unsettled if not f.settled.is_set()]
+            log.error("transfer %s: %d READs still in flight %.0f s after it failed: quarantined until they end",
+                      self.req.request_id, len(still), QUARANTINE_AFTER_S)
+            return still
+        return []
 
     async def _abort(self, answer_by: float) -> tuple[bool, list[str]]:
         """Tell every P server to let go, until answer_by (then on in the background):
@@ -330,8 +347,10 @@ class TransferRun:
         # not answer is taken as gone (as one that answered UNAVAILABLE is).
         return False, [leg.peer.address for leg in self.legs]
 
-    def _final_error(self, err: BaseException, notified: bool, gone: list[str]) -> BaseException:
-        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified)
+    def _final_error(self, err: BaseException, notified: bool, gone: list[str], *,
+                     quarantined: bool = False) -> BaseException:
+        failure = pb.TransferFailure(valid_local_block_ids_per_group=[], remote_notified=notified,
+                                     quarantined=quarantined)
         final: BaseException = err
         p_unreachable = isinstance(err, Unreachable)
         read_failed = isinstance(err, KvsvcError) and err.reason in READ_FAILURES

@@ -52,6 +52,7 @@ class JobState(enum.Enum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    QUARANTINED = "quarantined"  # failed and answered, but READs of it may still land: not settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +115,15 @@ class Job:
     state: JobState = JobState.RUNNING
     waiters: int = 0
     finished_at: float = 0.0
-    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # no READ of it can write any more
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # answered (settled, or quarantined)
     result: pb.TransferResponse | None = None
     failed: FailedOutcome | None = None
+    unsettled: list[asyncio.Event] = field(default_factory=list)  # quarantined READs' settled events
+
+    def quarantine(self, settled: list[asyncio.Event]) -> None:
+        """READs of this job may still land once it ended: it settles only once they did."""
+        self.unsettled.extend(settled)
 
     def outcome(self) -> pb.WaitTransferResponse:
         if self.state is JobState.RUNNING:
@@ -125,8 +132,12 @@ class Job:
             return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_SUCCEEDED, result=self.result)
         assert self.failed is not None
         reason = Reason.CANCELLED if self.failed.cancelled else self.failed.reason
-        return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_FAILED, failure=self.failed.failure,
-                                       error_reason=reason)
+        failure = _copy(self.failed.failure)
+        if self.state is JobState.QUARANTINED:
+            failure.quarantined = True
+            return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_QUARANTINED, failure=failure, error_reason=reason)
+        failure.quarantined = False  # settled since
+        return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_FAILED, failure=failure, error_reason=reason)
 
     def answer(self) -> pb.TransferResponse:
         """A finished job's response, or (raised) a fresh copy of the error it ended with."""
@@ -191,6 +202,8 @@ class TransferJobs:
         self._done: OrderedDict[str, Job] = OrderedDict()
         self._done_bytes = 0
         self._fences: OrderedDict[int, float] = OrderedDict()  # _fence_key -> when made (monotonic)
+        self._held: dict[str, Job] = {}  # quarantined jobs, until their READs ended
+        self._quarantined: set[asyncio.Task[None]] = set()  # the watches of their READs
         self.history_s, self.history_max = history_s, history_max
         self.history_max_bytes, self.fences_max = history_max_bytes, fences_max
 
@@ -202,7 +215,7 @@ class TransferJobs:
         it succeeded; after it failed, a new transfer starts.
         """
         self._prune()
-        job = self._running.get(request_id) or self._done.get(request_id)
+        job = self.find(request_id)
         if job is None and _fence_key(request_id) in self._fences:
             raise FailedPrecondition(Reason.TRANSFER_FENCED, f"request {clip(request_id, 64)!r} was reported settled by "
                                      "WaitTransfer, or finished long enough ago to be forgotten, before this "
@@ -232,16 +245,46 @@ class TransferJobs:
             job.state, job.failed = JobState.FAILED, FailedOutcome.of(task)
         job.task = None  # the task holds the exception, and its traceback the run's frames
         job.finished_at = time.monotonic()
-        job.settled.set()
+        job.finished.set()
         self._running.pop(job.request_id, None)
+        unsettled = [e for e in job.unsettled if not e.is_set()]
+        if unsettled and job.state is JobState.FAILED:
+            # Held apart from the history until settled: never pruned into a fence (a
+            # WaitTransfer would then say UNKNOWN, and the engine reuse blocks a READ may hit).
+            job.state = JobState.QUARANTINED
+            self._held[job.request_id] = job
+            watch = asyncio.get_running_loop().create_task(self._settle_later(job, unsettled))
+            self._quarantined.add(watch)
+            watch.add_done_callback(self._quarantined.discard)
+            return
+        job.unsettled = []
+        job.settled.set()
+        self._remember(job)
+
+    def _remember(self, job: Job) -> None:
         self._done[job.request_id] = job
         self._done_bytes += job.nbytes
         self._prune()
 
+    async def _settle_later(self, job: Job, unsettled: list[asyncio.Event]) -> None:
+        """A quarantined job settles (FAILED) once every READ it left behind ended."""
+        await asyncio.gather(*(e.wait() for e in unsettled))
+        log.warning("transfer %s: its quarantined READs ended; settled", clip(job.request_id, 64))
+        job.state, job.unsettled = JobState.FAILED, []
+        job.finished_at = time.monotonic()
+        self._held.pop(job.request_id, None)
+        job.settled.set()
+        self._remember(job)
+
+    @property
+    def quarantined(self) -> int:
+        """Jobs answered failed whose READs may still land (their local blocks are not free)."""
+        return len(self._held)
+
     async def wait(self, request_id: str, wait_s: float) -> pb.WaitTransferResponse:
         """The job's state, waiting up to wait_s for it to settle; fences unknown ids."""
         self._prune()
-        job = self._running.get(request_id) or self._done.get(request_id)
+        job = self.find(request_id)
         if job is None:
             key = _fence_key(request_id)
             if key not in self._fences:
@@ -256,8 +299,8 @@ class TransferJobs:
         return job.outcome()
 
     def find(self, request_id: str) -> Job | None:
-        """The running or remembered job of request_id."""
-        return self._running.get(request_id) or self._done.get(request_id)
+        """The running, quarantined or remembered job of request_id."""
+        return self._running.get(request_id) or self._held.get(request_id) or self._done.get(request_id)
 
     @property
     def running(self) -> int:
@@ -278,6 +321,8 @@ class TransferJobs:
 
     async def close(self, timeout_s: float = 15.0) -> None:
         """Cancel running jobs and wait (at most timeout_s) until they settled (their READs drained)."""
+        for watch in list(self._quarantined):
+            watch.cancel()
         tasks = [j.task for j in self._running.values() if j.task is not None]
         for t in tasks:
             t.cancel()

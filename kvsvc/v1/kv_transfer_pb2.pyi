@@ -187,6 +187,7 @@ class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_STATE_RUNNING: _ClassVar[TransferState]
     TRANSFER_STATE_SUCCEEDED: _ClassVar[TransferState]
     TRANSFER_STATE_FAILED: _ClassVar[TransferState]
+    TRANSFER_STATE_QUARANTINED: _ClassVar[TransferState]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -335,6 +336,7 @@ TRANSFER_STATE_UNKNOWN: TransferState
 TRANSFER_STATE_RUNNING: TransferState
 TRANSFER_STATE_SUCCEEDED: TransferState
 TRANSFER_STATE_FAILED: TransferState
+TRANSFER_STATE_QUARANTINED: TransferState
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("num_kv_heads_per_rank", "head_size", "head_size_v", "dtype")
@@ -834,12 +836,14 @@ class TransferResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankTransferResult, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferFailure(_message.Message):
-    __slots__ = ("valid_local_block_ids_per_group", "remote_notified")
+    __slots__ = ("valid_local_block_ids_per_group", "remote_notified", "quarantined")
     VALID_LOCAL_BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     REMOTE_NOTIFIED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     valid_local_block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     remote_notified: bool
-    def __init__(self, valid_local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_notified: _Optional[bool] = ...) -> None: ...
+    quarantined: bool
+    def __init__(self, valid_local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_notified: _Optional[bool] = ..., quarantined: _Optional[bool] = ...) -> None: ...
 
 class NotifyRequest(_message.Message):
     __slots__ = ("request_id", "kind", "engine_id", "tp_size", "done_ranks", "lease_epoch", "lease_token", "claim_id", "withdraw")

@@ -70,6 +70,10 @@ WHO: dict[str, object] = {
                                                  'snippet("### Config\\n", "toml")'),
     "make sglang-venv": ("test", "Makefile", "sglang-venv: $(SGLANG_STAMP)"),
     "make test-sglang": ("test", "Makefile", "test-sglang: $(SGLANG_STAMP)"),
+    'python -c \'from vllm import LLM; LLM("MODEL", enforce_eager=True, block_size=32, dtype="bfloat16").generate('
+    '{"prompt_token_ids": [1]})\'': ("not here", "reproduces vLLM's own crash on a CPU with AMX (it dies there, "
+                                     "whatever the connector); tests/vllm/test_quickstart.py checks kvsvc's "
+                                     "workaround in each engine where the CPU has AMX"),
     "make bench-sglang": ("not here", "about 6 minutes of real SGLang servers; bench/sglang.json holds its last run"),
     **{cmd: ("test", "tests/sglang/served.py", text) for cmd, text in SGLANG.items()},
     **{d: HERE for d in DEMOS + INSPECT + ETCD},

@@ -287,3 +287,41 @@ async def test_a_full_socket_sends_its_clients_to_grpc(monkeypatch):
         finally:
             for _, writer in holders:
                 writer.close()
+
+
+@pytest.mark.parametrize("carrier", ["socket", "grpc"])
+async def test_large_transfer_messages_break_nothing_for_their_bystanders(carrier):
+    """Trust four, fix 3: one legal 4.8 MB Transfer message made the socket client count its
+    stream broken (4 MiB unsent), and fourteen of them sent in one loop turn made one message
+    past the 64 MiB limit: every transfer on the stream failed, bystanders too. Messages are
+    bounded in bytes now: each large call gets its own answer (here a typed refusal: its
+    block ids do not match the lease) and the bystanders sharing the turn succeed."""
+    async with in_process_pair("tb") as (p, d):
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc, AsyncClient(f"127.0.0.1:{d.port}") as dc:
+            pe, de = await Engine.of(pc), await Engine.of(dc)
+            channel = dc.transfer_stream("auto" if carrier == "socket" else carrier)  # auto: the socket here
+            try:
+                await fresh_transfer(pc, channel, pe, de, "warm", 1, 1)
+                assert channel.carrier == carrier
+                held = await pc.publish_blocks("held", [[2]])
+                big = pb.TransferParams()
+                big.CopyFrom(held.params)
+                big.ClearField("remote_block_ids_per_group")
+                ids = [2_100_000 + i for i in range(600_000)]  # 4-byte varints: 2.4 MB each side
+                big.remote_block_ids_per_group.append(pb.BlockIds(block_ids=ids))
+                bystanders = [await pc.publish_blocks(f"by{i}", [[3 + i]]) for i in range(4)]
+                calls = [channel.transfer(f"d-big{i}", big, [ids], timeout_s=120) for i in range(14)]
+                calls += [channel.transfer(f"d-by{i}", pub.params, [[10 + i]], timeout_s=120)
+                          for i, pub in enumerate(bystanders)]
+                out = await asyncio.gather(*calls, return_exceptions=True)  # one loop turn: one batch
+                for answer in out[:14]:
+                    assert isinstance(answer, KvsvcError) and answer.code is ErrorCode.INVALID_ARGUMENT, answer
+                for i, answer in enumerate(out[14:]):
+                    assert isinstance(answer, pb.TransferResponse), answer
+                    assert same_block_bytes(pe, 3 + i, de, 10 + i)
+                assert not channel._stream.ended  # the stream carried on
+                await fresh_transfer(pc, channel, pe, de, "after", 8, 20)
+            finally:
+                await channel.close()
+                pe.close()
+                de.close()

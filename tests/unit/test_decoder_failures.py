@@ -21,7 +21,7 @@ from kvsvc.mapping import Side
 from kvsvc.service.decode import Decoder
 from kvsvc.service.node import Node
 from kvsvc.service.peers import Peer, RemoteRank
-from kvsvc.transport.ports import Flight
+from kvsvc.transport.ports import Flight, TransferError
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -337,3 +337,68 @@ async def test_a_stalled_p_still_gets_a_typed_settled_answer_before_the_deadline
         assert all(f.settled.is_set() for f in data.flights)
         await asyncio.sleep(0.05)
         assert [n.kind for n in stalled.notified] == [pb.NOTIFY_KIND_ABORTED], "P is still told to let go"
+
+
+class DyingData(FakeData):
+    """A data plane whose NIXL thread dies with READs in flight: their results fail, and
+    `settled` stays unset (a NIC may still write: nobody can say they ended)."""
+
+    def die(self) -> None:
+        self.alive = False  # type: ignore[misc]
+        for f in self.flights:
+            if not f.result.done():
+                f.result.set_exception(TransferError("the NIXL thread stopped"))
+
+    async def abort(self, flights: list[Flight]) -> None:  # pragma: no cover - must not be asked
+        raise AssertionError("a dead data plane was asked to cancel")
+
+
+async def test_reads_in_flight_when_the_data_plane_dies_are_quarantined_never_settled():
+    """Trust four, fix 5: the failure path asked the dead data plane first, failed, and the
+    job was reported settled (FAILED) with READs in flight. Now the answer is typed with
+    TransferFailure.quarantined, WaitTransfer says QUARANTINED (the blocks are not free) and
+    the gauge counts it, until the READs do end; then FAILED."""
+    data = DyingData()
+    client = FakePeerClient(data)
+    async with decoder_over(data, client) as dec:
+        task = asyncio.ensure_future(dec.transfer(request(), None))
+        await posted(data)
+        data.die()
+        with pytest.raises(KvsvcError) as e:
+            await task
+        (failure,) = [d for d in e.value.details if isinstance(d, pb.TransferFailure)]
+        assert failure.quarantined and not failure.valid_local_block_ids_per_group
+        state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=50))
+        assert state.state == pb.TRANSFER_STATE_QUARANTINED and state.failure.quarantined
+        assert dec.jobs.quarantined == 1 and not dec.jobs.find("d-side-id").settled.is_set()
+        with pytest.raises(KvsvcError) as again:  # a retry is answered at once (the data plane is down)
+            await asyncio.wait_for(dec.transfer(request(), None), 10)
+        assert again.value.reason == "DATA_PLANE_UNAVAILABLE"
+        for f in data.flights:  # the READs end after all (say the NIC finished)
+            f.settled.set()
+        state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
+        assert state.state == pb.TRANSFER_STATE_FAILED and not state.failure.quarantined
+        assert dec.jobs.quarantined == 0
+
+
+async def test_reads_that_do_not_end_after_a_failure_are_quarantined_within_a_bound(monkeypatch):
+    """Trust four, fix 8: a READ cut by a dead link kept the transfer RUNNING without bound.
+    Past QUARANTINE_AFTER_S the job answers (quarantined) instead; it settles when they end."""
+    from kvsvc.service import transfer_run
+
+    monkeypatch.setattr(transfer_run, "QUARANTINE_AFTER_S", 0.2)  # the bound itself, not a race: nothing ends them
+    data = FakeData()
+    client = FakePeerClient(data)
+    async with decoder_over(data, client) as dec:
+        task = asyncio.ensure_future(dec.transfer(request(), 0.2))  # fails at its deadline, READs never end
+        await posted(data)
+        with pytest.raises(DeadlineExceeded) as e:
+            await asyncio.wait_for(task, 30)
+        (failure,) = [d for d in e.value.details if isinstance(d, pb.TransferFailure)]
+        assert failure.quarantined and data.aborted == data.flights
+        assert (await dec.wait(pb.WaitTransferRequest(request_id="d-side-id"))).state == \
+            pb.TRANSFER_STATE_QUARANTINED
+        assert client.settled_when_notified == [False]  # P was told to let go; D's blocks stay held
+        settle_later(data, 0.0)
+        state = await dec.wait(pb.WaitTransferRequest(request_id="d-side-id", wait_ms=5000))
+        assert state.state == pb.TRANSFER_STATE_FAILED

@@ -132,6 +132,9 @@ class FakeSocket(SocketCall):
     def write_now(self, msg) -> None:  # type: ignore[override]
         self.sent.append(msg)
 
+    def check_reading(self) -> None:
+        pass
+
     def cancel(self) -> None:
         pass
 
@@ -198,4 +201,35 @@ async def test_a_call_is_unwritten_until_its_message_is_out():
     call.go.set()
     await writer  # returns once the writer wrote everything queued
     assert not mux.unwritten(first) and not mux.unwritten(second)
+    await mux.close()
+
+
+class Sized(str):
+    """A queued call of a given byte size (as a protobuf's ByteSize)."""
+
+    def __new__(cls, key: str, size: int) -> Sized:
+        item = super().__new__(cls, key)
+        item.size = size  # type: ignore[attr-defined]
+        return item
+
+
+async def test_messages_are_bounded_in_bytes_and_a_call_too_large_fails_alone(monkeypatch):
+    from kvsvc.client import multiplex
+
+    monkeypatch.setattr(multiplex, "_size", lambda item: item.size)
+    kind: StreamKind[str, str, object] = StreamKind(
+        "the test stream", lambda items: [str(i) for i in items], _answers,  # type: ignore[arg-type,return-value]
+        lambda resp: resp.get("end"), status_after_failed_write=False, key=lambda item: str(item))
+    sock = FakeSocket()
+    mux = Multiplexer(sock, kind, batch=100, max_bytes=multiplex.MESSAGE_MARGIN_BYTES + 4096)
+    items = [Sized("a", 1500), Sized("b", 1500), Sized("huge", 10_000), Sized("c", 1500), Sized("d", 100)]
+    futs = {str(i): mux.expect(str(i)) for i in items}
+    for item in items:
+        await mux.send(item)
+    await asyncio.sleep(0)
+    assert sock.sent == [["a", "b"], ["c", "d"]]  # at most 4096 bytes a message, in order
+    with pytest.raises(KvsvcError) as e:
+        await futs["huge"]
+    assert e.value.reason == "FIELD_TOO_LARGE" and int(e.value.metadata["limit"]) == 4096
+    assert not mux.ended and not mux.unwritten(len(items) - 1)
     await mux.close()
