@@ -90,6 +90,7 @@ class Lease:
     released_unix_ms: int = 0
     published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
+    serial: int = 0  # this lease among every lease this table made: one id leased again is another lease
 
 
 def _claim_digest(claim_id: str) -> bytes:
@@ -194,6 +195,7 @@ class LeaseTable:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _reaper: asyncio.Task[None] | None = None
     _claimed: int = 0
+    _serial: int = 0  # leases made so far: the last one's serial
     _no_claims: asyncio.Event = field(default_factory=asyncio.Event)
     accepting: bool = True
 
@@ -263,8 +265,9 @@ class LeaseTable:
             raise FailedPrecondition(Reason.LEASE_ABORTED, f"request {request_id!r} was aborted (with this lease token) "
                                      "before it was published", {"request_id": request_id})
         self._dead.pop(request_id, None)
+        self._serial += 1
         lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
-                      digest=blocks_digest(blocks, num_tokens))
+                      digest=blocks_digest(blocks, num_tokens), serial=self._serial)
         self._live[request_id] = lease
         if len(self._live) == 1:
             self.on_live_change(+1)
@@ -302,7 +305,7 @@ class LeaseTable:
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
               d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
-              consumed: bool = False, digest: bytes = b"") -> Lease | None:
+              consumed: bool = False, digest: bytes = b"", serial: int = 0) -> Lease | None:
         """Grant (or repeat) claim_id's claim on d_ranks (empty: all D ranks); extends the lease.
         None: a claim-and-consumed that this claim_id already made (the lease is released
         CONSUMED; a retry after a lost answer gets the same answer, never LEASE_EXPIRED).
@@ -313,11 +316,13 @@ class LeaseTable:
         released once every D rank it waits for has been), so the grant itself is the proof
         that the lease was never released while they read. digest (blocks_digest of the
         params read by): refused with PARAMS_INCONSISTENT when the lease holds other blocks.
+        serial (the lease's, as its params say; 0: unchecked): a later lease of the same id
+        (and token, where an engine derives tokens from ids) is refused with LEASE_EXPIRED.
         """
         try:
             lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
                                 d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
-                                digest=digest)
+                                digest=digest, serial=serial)
         except FailedPrecondition as e:
             if consumed and e.reason == Reason.LEASE_EXPIRED and self.consumed_by(request_id, epoch, claim_id):
                 return None  # this claim consumed it already: a retry, answered as the first was
@@ -330,8 +335,15 @@ class LeaseTable:
         return lease
 
     def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
-               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes) -> Lease:
+               d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes,
+               serial: int = 0) -> Lease:
         lease = self._live_lease(request_id, epoch)
+        if serial and serial != lease.serial:
+            # The params' lease was released and the id leased again (SGLang's bootstrap room
+            # reused): its READs may have read the new lease's blocks before it was published.
+            raise FailedPrecondition(Reason.LEASE_EXPIRED, f"request {request_id!r} holds a later lease than the params "
+                                     "were issued for (theirs was released)",
+                                     {"request_id": request_id, "state": "replaced"})
         _check_token(lease, token)
         if digest and not secrets.compare_digest(digest, lease.digest):
             raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"the params' block ids or num_tokens are not those "

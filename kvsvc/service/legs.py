@@ -148,6 +148,11 @@ class ClaimRefused(Exception):
         self.error = error
 
 
+def _lease_serial(p: pb.TransferParams, address: str) -> int:
+    """The serial of the lease the params name on the server at address (0: not given)."""
+    return next((s.lease_serial for s in p.remote_servers if s.address == address), 0)
+
+
 @dataclass(frozen=True, slots=True)
 class Ownership:
     """Who a transfer is to P: the D engine, and the claim_id that owns the lease."""
@@ -180,7 +185,8 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
         req = pb.ClaimLeaseRequest(
             request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
             tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
-            dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest)
+            dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest,
+            lease_serial=_lease_serial(p, leg.peer.address))
         first_try = time.monotonic()
         deadline = first_try + timeout_s  # one for every try: waiting for a lease adds no time
         give_up_at = first_try + (min(timeout_s, PENDING_LEASE_WAIT_S) if p.lease_pending else 0.0)

@@ -105,7 +105,8 @@ def _ttl_s(ms: int) -> float | None:
 async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) -> pb.PublishBlocksResponse:
     """Lease the blocks here (and, for the engine's own call, on every sibling server)."""
     lease, groups = lease_here(node, req)
-    servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch)]
+    servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch,
+                               lease_serial=lease.serial)]
     if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
         try:
             servers += await siblings.publish(req, lease.token)
@@ -178,7 +179,7 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
     lease: Lease | None = node.leases.claim(req.request_id, req.lease_epoch, token=req.lease_token, claim_id=req.claim_id,
                                      d_engine_id=req.engine_id, d_tp_size=req.tp_size, d_ranks=list(req.ranks),
                                      extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed,
-                                     digest=req.blocks_digest)
+                                     digest=req.blocks_digest, serial=req.lease_serial)
     if lease is None or lease.state.released:  # None: this claim consumed it before (a retry)
         return pb.ClaimLeaseResponse(state=pb.LEASE_STATE_CONSUMED)
     return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),

@@ -613,14 +613,16 @@ class BlockIds(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineServer(_message.Message):
-    __slots__ = ("address", "ranks", "epoch")
+    __slots__ = ("address", "ranks", "epoch", "lease_serial")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SERIAL_FIELD_NUMBER: _ClassVar[int]
     address: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    lease_serial: int
+    def __init__(self, address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., lease_serial: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
     __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers", "remote_dcp_size", "remote_num_tokens", "lease_pending")
@@ -671,7 +673,7 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -683,6 +685,7 @@ class ClaimLeaseRequest(_message.Message):
     DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SERIAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
@@ -694,7 +697,8 @@ class ClaimLeaseRequest(_message.Message):
     dcp_size: int
     consumed: bool
     blocks_digest: bytes
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ..., blocks_digest: _Optional[bytes] = ...) -> None: ...
+    lease_serial: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ..., blocks_digest: _Optional[bytes] = ..., lease_serial: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms", "state")

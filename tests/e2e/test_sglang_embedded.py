@@ -213,3 +213,26 @@ def test_a_withdraw_on_a_stalled_loop_is_answered_only_once_it_ran(pair):
     claimed.result(30)
     assert answer.result(30) is False  # D holds a claim: the pages stay SGLang's to keep
     assert not done.is_set() and released == []
+
+
+def test_params_of_a_reused_room_never_read_the_next_request_as_good(pair):
+    """Trust four, fix 7: SGLang's request id and lease token come from its bootstrap room,
+    which a client may use again. The first request's lease is taken back; the room's next
+    request is leased with the same id, token and pages, and new bytes. A transfer with the
+    first request's params (a late one) is refused -- never answered OK with the second
+    request's KV -- and the second request's own params still move its bytes."""
+    p, d, p_bufs, d_bufs, released, done = pair
+    first = p.lease("sglang-room", [[6]], TOKEN)
+    assert p.withdraw("sglang-room", TOKEN) is True
+    for b in p_bufs:  # the room's next request fills the same page
+        b[6] = (b[6] + 1) % 251
+    second = p.lease("sglang-room", [[6]], TOKEN)
+    assert first.remote_servers[0].lease_serial != second.remote_servers[0].lease_serial
+    with pytest.raises(KvsvcError) as e:
+        d.transfer("d-first", first, [[12]], 30).result(30)
+    assert e.value.reason == "LEASE_EXPIRED", e.value
+    assert p.server.node.leases.get("sglang-room").state is LeaseState.OFFERED  # untouched by the stale claim
+    d.transfer("d-second", second, [[13]], 30).result(30)
+    for pb_, db in zip(p_bufs, d_bufs, strict=True):
+        assert np.array_equal(db[13], pb_[6])
+    assert done.wait(10) and released == [("sglang-room", LeaseState.CONSUMED)]

@@ -241,6 +241,23 @@ async def test_a_retried_claim_and_consumed_is_answered_as_the_first(table):
         claim_consumed(table, "x", token=x.token)
 
 
+async def test_params_of_a_released_lease_never_claim_a_later_lease_of_the_same_id(table):
+    """An engine that derives ids and tokens (SGLang: from its bootstrap room) leases the
+    same id again after the first lease was released: params that carry the first lease's
+    serial are refused (LEASE_EXPIRED, 'replaced'), the second lease's serial or none passes."""
+    first = table.publish("room-7", [[3]], None, token="t" * 32)
+    table.notify("room-7", ABORTED, [], 7, token=first.token)
+    second = table.publish("room-7", [[3]], None, token="t" * 32)  # same id, token and blocks
+    assert second.serial > first.serial
+    with pytest.raises(FailedPrecondition) as e:
+        table.claim("room-7", 7, token="t" * 32, claim_id=CLAIM_A, d_engine_id="D", d_tp_size=2,
+                    serial=first.serial)
+    assert e.value.reason == "LEASE_EXPIRED" and e.value.metadata["state"] == "replaced"
+    assert table.get("room-7").state is LeaseState.OFFERED and not table.get("room-7").claims
+    assert table.claim("room-7", 7, token="t" * 32, claim_id=CLAIM_A, d_engine_id="D", d_tp_size=2,
+                       serial=second.serial).state is LeaseState.CLAIMED
+
+
 async def test_the_pump_runs_from_the_first_live_lease_to_the_last_release(table):
     """A D may read any live lease (it claims after reading): the pump hears of the table's
     first lease and of its last release, nothing in between."""

@@ -122,13 +122,17 @@ class EmbeddedServer:
 
         async def make() -> pb.TransferParams:
             node = self.server.node
-            prefill.lease_here(node, req)
+            lease, _ = prefill.lease_here(node, req)
             self._unreleased.add(request_id)
             return pb.TransferParams(
                 remote_address=self.address, remote_engine_id=self.engine_id, remote_request_id=request_id,
                 remote_block_ids_per_group=ids, remote_epoch=self.epoch,
                 remote_tp_size=self.tp_size, lease_token=token,
-                remote_servers=[pb.EngineServer(address=self.address, ranks=[self.tp_rank], epoch=self.epoch)])
+                # The lease's serial: SGLang's token and request id come from its bootstrap room,
+                # which may be used again; a transfer with this lease's params can then never
+                # claim the later lease of that room.
+                remote_servers=[pb.EngineServer(address=self.address, ranks=[self.tp_rank], epoch=self.epoch,
+                                                lease_serial=lease.serial)])
 
         return self._loop.run(make(), CALL_TIMEOUT_S)
 
