@@ -211,11 +211,11 @@ def _until(check, what: str, timeout_s: float = 60.0):
 
 
 def test_a_p_stalled_past_a_heartbeat_round_keeps_its_waiting_leases(tmp_path):
-    """P stops answering (SIGSTOP) for longer than one heartbeat call's timeout, but not for
-    its lease's TTL: D's worker asks again once P is back, the lease is extended past where
+    """P stops answering (SIGSTOP) for longer than one heartbeat call's timeout (5 s), but not
+    for its lease's TTL: D's worker asks again once P is back, the lease is extended past where
     it stood before the stall, and the request loads. A worker that gave up after one
     unanswered round left the lease to run out."""
-    ttl_s, heartbeat_s = 8.0, 0.3
+    ttl_s, heartbeat_s = 20.0, 0.3
     config = tmp_path / "p.toml"
     config.write_text(f"[server]\nlease_ttl_s = {ttl_s}\n")
     p = start_server(engine_id="hb-p", role="prefill", tp_size=1, layout=TABLE, config_file=str(config))

@@ -46,6 +46,7 @@ FINISHED_REMEMBERED = 1 << 18
 # Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
 # handed out a step before P's workers make the lease: it may not exist yet).
 KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
+HEARTBEAT_CALL_TIMEOUT_S = 5.0
 
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
@@ -94,8 +95,9 @@ class KvsvcWorker:
         # Rank 0: P leases of the requests waiting in D's queue, heartbeated on the loop.
         self._heartbeat_s = heartbeat_s
         # One heartbeat call's timeout: a P that has not answered by then is asked again next
-        # round (the lease outlives several rounds: heartbeat_s is well below its TTL).
-        self._heartbeat_timeout_s = min(5.0, max(1.0, heartbeat_s))
+        # round (the lease outlives several rounds: heartbeat_s is well below its TTL). Not
+        # shorter: a P slow under load would miss every round and let the leases run out.
+        self._heartbeat_timeout_s = HEARTBEAT_CALL_TIMEOUT_S
         self.heartbeat_rounds_short = 0  # rounds in which some lease was not answered "kept" (tests)
         self._kept: dict[str, pb.TransferParams] = {}
         self._keeper: asyncio.Future[None] | None = None
