@@ -13,9 +13,11 @@ sliding-window model) is in the other files here, run by `make test-full`.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.sglang.served import generate, greedy, kvsvc_servers, metric, sglang_server
 from tests.sglang.test_kvsvc_backend import (
@@ -27,15 +29,25 @@ from tests.sglang.test_kvsvc_backend import (
     _settled,
     _was_aborted,
     abort,
-    flush,
     leases_left,
     one_by_one,
 )
 from tests.sglang.test_sglang_cpu import PROMPTS, write_model
+from tests.vllm.served import Served
 
 pytestmark = pytest.mark.timeout(900)
 
 SMOKE = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]  # no shared prefix: no radix hit in either run
+
+
+def flush_when_idle(*servers: Served, timeout_s: float = 120) -> None:
+    """Empty the radix caches as soon as each server takes it: SGLang refuses a flush (400)
+    while a request is still in it (a fresh server's own warm-up, a router's first probe)."""
+    for server in servers:
+        deadline = time.monotonic() + timeout_s
+        while (r := requests.post(server.url + "/flush_cache", timeout=60)).status_code != 200:
+            assert time.monotonic() < deadline, (server.name, r.status_code, r.text)
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +61,12 @@ def test_p1_d1_through_kvsvc_equals_the_aggregated_server_and_an_abort_leaves_no
     agg, _ = sglang_server("sglang-agg", model, tmp_path, extra_args=CHUNKED)
     try:
         agg.wait_ready(300)
-        flush(agg)
+        flush_when_idle(agg)
         reference = one_by_one(agg, SMOKE)
     finally:
         agg.stop()
     with PD(model, tmp_path, "kvsvc", env=kvsvc_env, router_args=NO_RETRIES) as pd:
-        flush(pd.p, pd.d)
+        flush_when_idle(pd.p, pd.d)
         assert one_by_one(pd.router, SMOKE) == reference
         (_, d_metrics), = kvsvc_servers(pd.d).values()
         (_, p_metrics), = kvsvc_servers(pd.p).values()
