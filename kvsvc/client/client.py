@@ -228,7 +228,7 @@ class AsyncClient:
 
         Call it after a Transfer that failed without a TransferFailure detail (cancelled,
         deadline passed in the network, connection lost) before reusing its local blocks:
-        any state but RUNNING means nothing writes into them any more.
+        any state but RUNNING or QUARANTINED means nothing writes into them any more.
         """
         req = pb.WaitTransferRequest(request_id=request_id, wait_ms=wait_ms)
         timeout = timeout_s or max(self.options.timeout_s, wait_ms / 1000 + 5.0)
@@ -238,15 +238,17 @@ class AsyncClient:
         """Return once the transfer request_id can no longer write into its local blocks.
 
         error is what Transfer raised, if anything: a kvsvc error carrying TransferFailure
-        was answered after the READs settled, so no question is needed (returns None).
-        Otherwise (cancelled, deadline passed on the way, connection lost) this asks
-        WaitTransfer until the answer is not RUNNING.
+        was answered after the READs settled, so no question is needed (returns None) --
+        unless the failure says quarantined (READs of it may still land). Otherwise
+        (cancelled, deadline passed on the way, connection lost, quarantined) this asks
+        WaitTransfer until the answer is neither RUNNING nor QUARANTINED.
         """
-        if isinstance(error, KvsvcError) and any(isinstance(d, pb.TransferFailure) for d in error.details):
+        failure = next((d for d in getattr(error, "details", ()) if isinstance(d, pb.TransferFailure)), None)
+        if isinstance(error, KvsvcError) and failure is not None and not failure.quarantined:
             return None
         while True:
             state = await self.wait_transfer(request_id)
-            if state.state != pb.TRANSFER_STATE_RUNNING:
+            if state.state not in (pb.TRANSFER_STATE_RUNNING, pb.TRANSFER_STATE_QUARANTINED):
                 return state
 
     async def open_release_stream(self) -> ReleaseStream:

@@ -192,3 +192,26 @@ def test_sync_client_against_real_server():
     finally:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         t.join(10)
+
+
+async def test_settled_waits_out_a_quarantined_transfer():
+    """A failure whose TransferFailure says quarantined is not settled: settled() asks
+    WaitTransfer until it is neither RUNNING nor QUARANTINED. One that is not quarantined
+    needs no question."""
+    from kvsvc.errors import DeadlineExceeded
+    from kvsvc.v1 import kv_transfer_pb2 as pb
+
+    async with AsyncClient("127.0.0.1:1") as client:  # never dialled: WaitTransfer is stood in for
+        states = [pb.TRANSFER_STATE_QUARANTINED, pb.TRANSFER_STATE_QUARANTINED, pb.TRANSFER_STATE_FAILED]
+        asked: list[str] = []
+
+        async def wait_transfer(request_id: str, **kw) -> pb.WaitTransferResponse:
+            asked.append(request_id)
+            return pb.WaitTransferResponse(state=states[len(asked) - 1])
+
+        client.wait_transfer = wait_transfer  # type: ignore[method-assign]
+        quarantined = DeadlineExceeded("DEADLINE_EXCEEDED", "late", details=[pb.TransferFailure(quarantined=True)])
+        assert (await client.settled("r", quarantined)).state == pb.TRANSFER_STATE_FAILED
+        assert asked == ["r", "r", "r"]
+        settled = DeadlineExceeded("DEADLINE_EXCEEDED", "late", details=[pb.TransferFailure()])
+        assert await client.settled("s", settled) is None and asked == ["r", "r", "r"]
