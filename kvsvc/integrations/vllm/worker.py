@@ -46,7 +46,6 @@ FINISHED_REMEMBERED = 1 << 18
 # Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
 # handed out a step before P's workers make the lease: it may not exist yet).
 KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
-HEARTBEAT_CALL_TIMEOUT_S = 5.0
 
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
@@ -94,10 +93,6 @@ class KvsvcWorker:
         self._blocks_per_logical = 1  # kernel blocks (kvsvc's blocks) in one of vLLM's blocks
         # Rank 0: P leases of the requests waiting in D's queue, heartbeated on the loop.
         self._heartbeat_s = heartbeat_s
-        # One heartbeat call's timeout: a P that has not answered by then is asked again next
-        # round (the lease outlives several rounds: heartbeat_s is well below its TTL). Not
-        # shorter: a P slow under load would miss every round and let the leases run out.
-        self._heartbeat_timeout_s = HEARTBEAT_CALL_TIMEOUT_S
         self.heartbeat_rounds_short = 0  # rounds in which some lease was not answered "kept" (tests)
         self._kept: dict[str, pb.TransferParams] = {}
         self._keeper: asyncio.Future[None] | None = None
@@ -415,9 +410,11 @@ class KvsvcWorker:
             self._beat_now.clear()
             try:
                 waiting = dict(self._kept)
+                # Each call has heartbeat_published's own timeout (5 s): a P that has not
+                # answered by then is asked again next round. Not shorter: a P slow under
+                # load would miss every round and let the leases run out.
                 answers = await heartbeat_published(waiting, engine_id=self.engine_id, options=self._options,
-                                                    channels=self._heartbeat_channels,
-                                                    timeout_s=self._heartbeat_timeout_s)
+                                                    channels=self._heartbeat_channels)
                 # Only P's word that a lease is gone (a final state, a refusal) stops its
                 # heartbeats; a P not reached or stalled past a call's timeout is asked again
                 # next round, while the lease may still be alive.
