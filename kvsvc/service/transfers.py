@@ -22,9 +22,13 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.rpc import status_pb2
+
+from kvsvc.client.errors import error_from_status
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError
 from kvsvc.limits import clip
 from kvsvc.reasons import Reason
+from kvsvc.service.errors import to_status
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,13 @@ TRANSFER_HISTORY_FULL) rather than dropping a fence early. About 100 bytes each
 MAX_ERROR_MESSAGE = 512
 """A failed job's message, as kept for retries and WaitTransfer (characters)."""
 RECORD_OVERHEAD_BYTES = 1024
-"""What a finished job costs beyond its outcome's bytes (the Job, its event, dict slots)."""
+"""What a finished job costs beyond its outcome's bytes (the Job, dict slots)."""
+FAILED_RECORD_EXTRA_BYTES = 1536
+"""What a failed one costs beyond that: its record's small objects are made among the
+failed run's garbage, and keep allocator pages alive. Both figures are set from D's RSS
+per kept record, measured by bench/record_memory.py with 1,000-block requests (failed:
+~1.9 KiB on average, at most ~2.6 KiB a batch; successful: ~0.5 KiB), so that the byte
+bound holds for what the process spends; tests/e2e/test_record_memory.py checks it."""
 
 
 class JobState(enum.Enum):
@@ -59,28 +69,46 @@ class JobState(enum.Enum):
 class FailedOutcome:
     """What stays of a failed job: what its answer needs, nothing of the run that failed
     (an exception would keep its traceback, and with it every frame's locals -- plans,
-    address arrays, block lists -- alive as long as the record)."""
+    address arrays, block lists -- alive as long as the record).
 
-    reason: str
-    message: str
-    code: ErrorCode
-    metadata: tuple[tuple[str, str], ...]
-    failure: pb.TransferFailure
-    cancelled: bool = False
+    The answer is kept as one serialized google.rpc.Status (reason, message, metadata and
+    the TransferFailure, as the caller receives them): one object of a few hundred bytes
+    where the fields as Python objects were a dozen small ones, and small long-lived
+    objects scattered among a failed run's garbage kept whole allocator pages alive (a
+    kept failed record cost ~3 KiB of D's RSS for ~1.5 KiB of objects; bench/record_memory.py).
+    """
+
+    status: bytes
     kind: type[KvsvcError] = KvsvcError  # the error's class (DeadlineExceeded, ...), raised again as such
+    cancelled: bool = False
 
     @classmethod
     def of(cls, task: asyncio.Task[Any]) -> FailedOutcome:
         if task.cancelled():
-            return cls(Reason.TRANSFER_CANCELLED, "", ErrorCode.CANCELLED, (), pb.TransferFailure(), cancelled=True)
+            return cls(b"", cancelled=True)
         err = task.exception()
         failure = next((d for d in getattr(err, "details", ()) if isinstance(d, pb.TransferFailure)),
                        pb.TransferFailure())
         if isinstance(err, KvsvcError):
-            meta = tuple((clip(k, 64), clip(v, 256)) for k, v in list(err.metadata.items())[:16])
-            return cls(err.reason, clip(err.message, MAX_ERROR_MESSAGE), err.code, meta, failure, kind=type(err))
-        return cls(Reason.INTERNAL, clip(f"{type(err).__name__}: {err}", MAX_ERROR_MESSAGE), ErrorCode.INTERNAL, (),
-                   failure)
+            kept = KvsvcError(err.reason, clip(err.message, MAX_ERROR_MESSAGE), err.metadata, err.field_violations,
+                              code=err.code, details=[failure])
+            return cls(to_status(kept).SerializeToString(), type(err))
+        kept = KvsvcError(Reason.INTERNAL, clip(f"{type(err).__name__}: {err}", MAX_ERROR_MESSAGE), details=[failure])
+        return cls(to_status(kept).SerializeToString())
+
+    def _decoded(self) -> KvsvcError:
+        return error_from_status(status_pb2.Status.FromString(self.status))
+
+    @property
+    def reason(self) -> str:
+        return Reason.CANCELLED if self.cancelled else self._decoded().reason
+
+    @property
+    def failure(self) -> pb.TransferFailure:
+        """The TransferFailure the answer carries (a fresh message)."""
+        if self.cancelled:
+            return pb.TransferFailure()
+        return next((d for d in self._decoded().details if isinstance(d, pb.TransferFailure)), pb.TransferFailure())
 
     def error(self, request_id: str) -> KvsvcError:
         """A new exception for this outcome (each answer raises its own: one raised twice would
@@ -89,16 +117,17 @@ class FailedOutcome:
             return KvsvcError(Reason.TRANSFER_CANCELLED, f"request {clip(request_id, 64)!r} was cancelled by an earlier "
                               "caller; use a new request id to try again", {"request_id": request_id},
                               code=ErrorCode.CANCELLED, details=[pb.TransferFailure()])
+        e = self._decoded()
+        if type(e) is self.kind:
+            return e
         try:
-            return self.kind(self.reason, self.message, dict(self.metadata), code=self.code,
-                             details=[_copy(self.failure)])
+            return self.kind(e.reason, e.message, e.metadata, e.field_violations, code=e.code, details=e.details)
         except TypeError:  # a subclass with another constructor
-            return KvsvcError(self.reason, self.message, dict(self.metadata), code=self.code,
-                              details=[_copy(self.failure)])
+            return e
 
     @property
     def nbytes(self) -> int:
-        return len(self.message) + sum(len(k) + len(v) for k, v in self.metadata) + self.failure.ByteSize()
+        return len(self.status)
 
 
 @dataclass(eq=False)
@@ -131,8 +160,8 @@ class Job:
         if self.state is JobState.SUCCEEDED:
             return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_SUCCEEDED, result=self.result)
         assert self.failed is not None
-        reason = Reason.CANCELLED if self.failed.cancelled else self.failed.reason
-        failure = _copy(self.failed.failure)
+        reason = self.failed.reason
+        failure = self.failed.failure
         if self.state is JobState.QUARANTINED:
             failure.quarantined = True
             return pb.WaitTransferResponse(state=pb.TRANSFER_STATE_QUARANTINED, failure=failure, error_reason=reason)
@@ -161,7 +190,7 @@ class Job:
         if self.result is not None:
             size += self.result.ByteSize() * 4  # a parsed message is a few times its wire size
         if self.failed is not None:
-            size += self.failed.nbytes * 2
+            size += self.failed.nbytes * 2 + FAILED_RECORD_EXTRA_BYTES
         return size
 
 
@@ -172,12 +201,6 @@ def _set_event() -> asyncio.Event:
 
 
 _SET = _set_event()
-
-
-def _copy(failure: pb.TransferFailure) -> pb.TransferFailure:
-    out = pb.TransferFailure()
-    out.CopyFrom(failure)
-    return out
 
 
 def _fence_key(request_id: str) -> int:

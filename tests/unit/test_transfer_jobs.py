@@ -104,8 +104,10 @@ async def test_a_failed_record_keeps_only_its_answer(kind):
     finally:
         tracemalloc.stop()
     assert jobs.remembered == 200
-    # ~1.6 KiB measured (its answer, the Job, dict slots); 3.3 KiB while each record kept two
-    # asyncio.Events of its own (a deque each), long after they were set.
+    # ~1.4 KiB measured (its answer as one serialized status, the Job, dict slots); 1.6 KiB
+    # with the answer's fields as objects, and 3.3 KiB while each record kept two asyncio.Events
+    # of its own (a deque each), long after they were set. tests/e2e/test_record_memory.py
+    # checks D's estimate of a record against RSS.
     assert per_record < 2.5 * 1024, f"{per_record:.0f} bytes per failed record"
     assert jobs.remembered_bytes < 200 * 8 * 1024
     with pytest.raises(KvsvcError) as e:  # the answer is still whole (message and values clipped)
