@@ -85,6 +85,10 @@ class ServerConfig:
     """Most leases one D engine may hold claimed at once on a prefill server (a claim extends
     a lease and heartbeats keep it: one engine must not pin the whole table); a claim beyond
     is RESOURCE_EXHAUSTED (TOO_MANY_CLAIMS)."""
+    max_waiting_claims_per_engine: int = 4096
+    """Most claims of one D engine a prefill server holds waiting for leases its engine has not
+    made yet (ClaimLeaseRequest.wait_ms; 16,384 across engines); a claim beyond is
+    RESOURCE_EXHAUSTED (TOO_MANY_WAITING_CLAIMS)."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent, bytes (plans of long requests are big)."""
     peer_timeout_s: float = 10.0
@@ -163,6 +167,8 @@ class ServerConfig:
                                   f"got {self.copy_threads}")
         if self.max_live_leases <= 0 or self.drain_timeout_s < 0:
             raise InvalidArgument(Reason.INVALID_CONFIG, "max_live_leases must be positive and drain_timeout_s >= 0")
+        if self.max_waiting_claims_per_engine < 0:
+            raise InvalidArgument(Reason.INVALID_CONFIG, "max_waiting_claims_per_engine must be >= 0 (0: no claim waits)")
         if self.etcd_endpoints:
             from kvsvc.discovery.etcd import parse_endpoints
             from kvsvc.discovery.registry import check_ttl, engine_prefix

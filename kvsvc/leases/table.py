@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
+from kvsvc.leases.arrivals import LeaseArrivals
 from kvsvc.mapping.release import ReleaseTracker
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.reasons import Reason
@@ -198,6 +199,9 @@ class LeaseTable:
     _serial: int = 0  # leases made so far: the last one's serial
     _no_claims: asyncio.Event = field(default_factory=asyncio.Event)
     accepting: bool = True
+    # Claims waiting for leases not made yet (ClaimLeaseRequest.wait_ms): woken by the
+    # publish or refusal of their request id.
+    arrivals: LeaseArrivals = field(default_factory=LeaseArrivals)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -213,6 +217,7 @@ class LeaseTable:
             except asyncio.CancelledError:
                 pass
             self._reaper = None
+        self.arrivals.close()
         for w in list(self._watchers):
             w.end()
 
@@ -224,6 +229,7 @@ class LeaseTable:
         leases still claimed when it gave up.
         """
         self.accepting = False
+        self.arrivals.close()  # no lease will be made now: claims waiting for one end
         if self._claimed:
             try:
                 await asyncio.wait_for(self._no_claims.wait(), timeout_s)
@@ -273,6 +279,7 @@ class LeaseTable:
             self.on_live_change(+1)
         self._hold(blocks, +1)
         self._schedule(lease)
+        self.arrivals.arrived(request_id)
         return lease
 
     @property
@@ -337,7 +344,7 @@ class LeaseTable:
     def _grant(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
                d_ranks: Sequence[int], extend_s: float | None, d_dcp_size: int, digest: bytes,
                serial: int = 0) -> Lease:
-        lease = self._live_lease(request_id, epoch)
+        lease = self._live_lease(request_id, epoch, token)
         if serial and serial != lease.serial:
             # The params' lease was released and the id leased again (SGLang's bootstrap room
             # reused): its READs may have read the new lease's blocks before it was published.
@@ -404,6 +411,7 @@ class LeaseTable:
             dead = self._dead.get(request_id)
             if dead is None and kind is NotifyKind.ABORTED and token and not withdraw:
                 self._remember(self._aborted_early, request_id, token)
+                self.arrivals.arrived(request_id)  # a claim waiting for it is refused now
             return (dead.state if dead else None), []
         claim = lease.claims.get(claim_id) if claim_id else None
         if claim is None or withdraw:
@@ -445,6 +453,7 @@ class LeaseTable:
         self._aborted_early.pop(request_id, None)
         if request_id not in self._live:
             self._remember(self._dead, request_id, Tombstone(LeaseState.ABORTED, _unix_ms()))
+            self.arrivals.arrived(request_id)
 
     @staticmethod
     def _remember(history: OrderedDict[str, Any], request_id: str, value: Any) -> None:
@@ -502,7 +511,7 @@ class LeaseTable:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _live_lease(self, request_id: str, epoch: int) -> Lease:
+    def _live_lease(self, request_id: str, epoch: int, token: str = "") -> Lease:
         if epoch != self.epoch:
             raise FailedPrecondition(Reason.LEASE_EXPIRED, f"lease epoch {epoch} is not this server's epoch {self.epoch} "
                                      "(the prefill server restarted); re-publish the request",
@@ -514,6 +523,8 @@ class LeaseTable:
         if lease is None:
             dead = self._dead.get(request_id)
             state = dead.state.value if dead else "unknown"
+            if dead is None and token and self._aborted_early.get(request_id) == token:
+                state = LeaseState.ABORTED.value  # given up before it was made: it never will be
             raise FailedPrecondition(Reason.LEASE_EXPIRED, f"request {request_id!r} holds no live lease ({state})",
                                      {"request_id": request_id, "state": state})
         return lease

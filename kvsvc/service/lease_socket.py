@@ -18,7 +18,6 @@ stream), and never touches a lease. service/local_socket.py has the socket's upk
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
@@ -26,6 +25,7 @@ from kvsvc.errors import KvsvcError
 from kvsvc.framing import LEASE_SOCKET_NAME, frame
 from kvsvc.limits import MAX_LEASE_CALLS, check_count
 from kvsvc.service.errors import to_status
+from kvsvc.service.lease_calls import LaterAnswers, LeaseCallAnswers
 from kvsvc.service.local_socket import FramedConnection, LocalSocket, remove_stale_dirs
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -33,35 +33,58 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LeaseSocket", "remove_stale_dirs"]
 
-Answer = Callable[[pb.LeaseCall, Sequence[str]], pb.LeaseAnswer]
-
 
 class LeaseSocket(LocalSocket):
-    """A Unix socket server answering lease calls with answer(call, caller_names=())."""
+    """A Unix socket server answering lease calls as the gRPC LeaseChannel does (answers, the
+    servicer's: service/lease_calls.py)."""
 
-    def __init__(self, answer: Answer, max_message_bytes: int, epoch: int) -> None:
+    def __init__(self, answers: LeaseCallAnswers, max_message_bytes: int, epoch: int) -> None:
         super().__init__(LEASE_SOCKET_NAME, _Connection, max_message_bytes, epoch)
-        self.answer = answer
+        self.answers = answers
 
 
 class _Connection(FramedConnection):
     """One D server's connection. Frames are answered as they arrive, inside the callback
     that received them: a lease call costs no task, no coroutine and no extra loop turn
     (the reader-and-writer coroutines it used to be cost P more than the lease table's
-    own work). A D that stops reading pauses only its own connection's reading."""
+    own work). A D that stops reading pauses only its own connection's reading. A claim
+    that waits for its lease is answered in a frame of its own when it ends."""
 
     owner: LeaseSocket
+    _later: LaterAnswers | None = None
 
     def frames_received(self, bodies: list[bytes]) -> None:
-        answer = self.owner.answer
-        answers: list[bytes] = []
+        answer = self.owner.answers.answer
+        out: list[bytes] = []
         for body in bodies:
             msg = _parse(body)
             if msg is None:
                 return self.broken()
-            answers.append(frame(pb.LeaseChannelResponse(answers=[answer(c, ()) for c in msg.calls])))
+            answers = []
+            for call in msg.calls:
+                a = answer(call, ())
+                if isinstance(a, pb.LeaseAnswer):
+                    answers.append(a)
+                else:
+                    if self._later is None:
+                        self._later = LaterAnswers(self._send_later)
+                    self._later.start(a)
+            if answers:
+                out.append(frame(pb.LeaseChannelResponse(answers=answers)))
+        if out:
+            self._write(b"".join(out))
+
+    def _send_later(self, answer: pb.LeaseAnswer) -> None:
+        self._write(frame(pb.LeaseChannelResponse(answers=[answer])))
+
+    def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(answers))
+            self.transport.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._later is not None:
+            self._later.cancel()
 
     def refusal(self, error: KvsvcError) -> bytes:
         return frame(pb.LeaseChannelResponse(stream_error=to_status(error).SerializeToString()))

@@ -30,10 +30,14 @@ UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode
 
 HEARTBEAT_MIN_INTERVAL_S = 0.05
 
-# A claim for params with lease_pending that finds no lease yet asks again, from every 5 ms
-# to every 100 ms, for at most this long (and never past its own timeout): P's workers lease
-# the blocks in the step that finishes the request or, failing that, the next one.
+# A claim for params with lease_pending that finds no lease yet waits on P for it
+# (ClaimLeaseRequest.wait_ms; P's workers lease the blocks in the step that finishes the
+# request or the next) for at most this long, and never past its own timeout: the wait
+# ends this margin before the call's deadline, so P's answer arrives inside it.
 PENDING_LEASE_WAIT_S = 30.0
+PENDING_WAIT_MARGIN_S = 0.1
+# A P server that answers "not made" before the wait is over (an older one, or one that
+# holds too many waiting claims) is asked again, from every 5 ms to every 100 ms.
 PENDING_RETRY_FIRST_S = 0.005
 PENDING_RETRY_MAX_S = 0.1
 
@@ -105,6 +109,9 @@ class ClaimState(enum.Enum):
     SENT = "sent"  # outcome unknown (lost, cancelled): treat as held when cleaning up
     HELD = "held"
     REFUSED = "refused"  # P answered no: nothing of ours to abort there
+    # P had not made the lease when we gave up waiting: it is told ABORTED with the token,
+    # so that the lease, made later, is refused at once instead of held to its TTL.
+    NOT_MADE = "not made"
 
 
 class LeaseClock:
@@ -193,18 +200,24 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
         pause = PENDING_RETRY_FIRST_S
         while True:
             leg.claim = ClaimState.SENT
+            sent = time.monotonic()
+            req.wait_ms = int(1000 * max(0.0, give_up_at - sent - PENDING_WAIT_MARGIN_S))
             try:
                 resp = await leg.peer.lease_calls.claim_lease(
-                    req, timeout_s=max(0.05, deadline - time.monotonic()), traceparent=own.traceparent)
-                if pause > PENDING_RETRY_FIRST_S * 16:  # waited ~80 ms or more: say how long P took
+                    req, timeout_s=max(0.05, deadline - sent), traceparent=own.traceparent)
+                if time.monotonic() - first_try > 0.08:  # say how long P took to make its lease
                     log.info("claim of %s waited %.0f ms for %s to make its lease", p.remote_request_id,
                              1e3 * (time.monotonic() - first_try), leg.peer.address)
                 break
             except KvsvcError as e:
-                # Params handed out before P leased the blocks: the lease is on its way (P's
-                # workers make it in the step that ends the request or the next). Ask again,
-                # less often as time goes.
-                if not lease_not_yet_made(e) or time.monotonic() + pause > give_up_at:
+                # Params handed out before P leased the blocks: P held the claim until the
+                # lease was made or the wait was over. One answered sooner is asked again.
+                if e.reason == Reason.TOO_MANY_WAITING_CLAIMS:
+                    leg.claim = ClaimState.NOT_MADE  # given up on, as a lease that did not come
+                if not lease_not_yet_made(e):
+                    raise
+                if time.monotonic() + pause + PENDING_WAIT_MARGIN_S > give_up_at:
+                    leg.claim = ClaimState.NOT_MADE
                     raise
             leg.claim = ClaimState.REFUSED
             await asyncio.sleep(pause)
@@ -218,7 +231,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
     outcomes = await settled([claim(leg) for leg in legs])
     errors = []
     for leg, out in zip(legs, outcomes, strict=True):
-        if isinstance(out, KvsvcError) and out.code not in UNKNOWN_OUTCOME:
+        if isinstance(out, KvsvcError) and out.code not in UNKNOWN_OUTCOME and leg.claim is not ClaimState.NOT_MADE:
             leg.claim = ClaimState.REFUSED  # P answered no: nothing of ours to abort
         if isinstance(out, BaseException):
             errors.append(out)

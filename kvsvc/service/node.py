@@ -15,6 +15,7 @@ from kvsvc.codec import layout_to_proto, rank_plan_to_proto, region_to_proto
 from kvsvc.config import MemoryMode, Role, ServerConfig
 from kvsvc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvsvc.layout.compat import compatibility_hash
+from kvsvc.leases.arrivals import LeaseArrivals
 from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
 from kvsvc.memory.pools import CudaPool, ExternalPool, MemoryKind, Pool, RegionBuffersPool, ShmPool, shm_name_for
@@ -78,7 +79,8 @@ class Node:
                                  on_release=lambda reason: self.metrics.released(reason.value),
                                  max_live=config.max_live_leases, dcp_size=self.layout.dcp_size,
                                  max_leased_blocks=config.max_leased_blocks,
-                                 max_claims_per_engine=config.max_claims_per_engine)
+                                 max_claims_per_engine=config.max_claims_per_engine,
+                                 arrivals=LeaseArrivals(config.max_waiting_claims_per_engine))
         self._closed = False
         self.health_tasks: set[asyncio.Future[None]] = set()
 

@@ -10,13 +10,14 @@ import numpy as np
 
 from kvsvc.codec import bad_field, block_ids_to_proto, layout_from_proto, layout_to_proto
 from kvsvc.config import Role
-from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError
+from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, lease_not_yet_made
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.layout.kinds import policy_of
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, SubscriberBehind, monotonic_to_unix_ms
 from kvsvc.limits import (
     MAX_DIGEST_BYTES,
     MAX_TP_SIZE,
+    MAX_WAIT_MS,
     MIN_CLAIM_ID_BYTES,
     check_block_lists,
     check_count,
@@ -160,7 +161,23 @@ def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> N
                 {"group": g, "block_ids": len(ids), "needed": needed, "num_tokens": num_tokens})
 
 
+async def claim_when_made(node: Node, req: pb.ClaimLeaseRequest,
+                          peer_names: Sequence[str] = ()) -> pb.ClaimLeaseResponse:
+    """claim(), holding a claim for a lease not made yet up to req.wait_ms for its publish
+    (leases/arrivals.py): one call where D used to ask every few ms."""
+    deadline = time.monotonic() + req.wait_ms / 1000
+    while True:
+        try:
+            return claim(node, req, peer_names)
+        except KvsvcError as e:
+            left = deadline - time.monotonic()
+            if not lease_not_yet_made(e) or left <= 0:
+                raise
+        await node.leases.arrivals.wait(req.request_id, req.engine_id, left)
+
+
 def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ()) -> pb.ClaimLeaseResponse:
+    """A claim answered now (wait_ms is claim_when_made's)."""
     node.require_role(Role.PREFILL, "ClaimLease")
     require_peer(node, req.engine_id, peer_names, "claim leases")
     _check_lease_ids(req)
@@ -173,6 +190,8 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
                         Reason.MISSING_FIELD)
     if len(req.blocks_digest) > MAX_DIGEST_BYTES:
         raise too_big("blocks_digest", len(req.blocks_digest), MAX_DIGEST_BYTES, "bytes")
+    if req.wait_ms > MAX_WAIT_MS:
+        raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
     d_dcp = req.dcp_size or 1
     if d_dcp not in (1, req.tp_size):
         raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", Reason.INVALID_DCP_SIZE)

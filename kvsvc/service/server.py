@@ -179,7 +179,7 @@ async def _start_local_sockets(running: RunningServer) -> None:
         return
     if config.lease_socket and config.role is not Role.DECODE:
         # Same-host D servers carry their lease calls here; offered in the handshake answer.
-        lease_socket = LeaseSocket(running.servicer.lease_call, config.max_message_bytes, node.epoch)
+        lease_socket = LeaseSocket(running.servicer.lease_answers, config.max_message_bytes, node.epoch)
         if await _started(running, lease_socket, "D servers on this host"):
             running.lease_socket, node.lease_socket_path = lease_socket, lease_socket.path
     if config.transfer_socket and config.role is not Role.PREFILL:
@@ -254,8 +254,15 @@ def _add_gauges(running: RunningServer) -> None:
     m.gauge("kvsvc_live_leases", "Leases this P server holds (offered or claimed)", lambda: node.leases.live_count)
     m.gauge("kvsvc_claimed_leases", "Leases claimed by a D server (READs may be in flight)",
             lambda: node.leases.claimed_count)
+    m.gauge("kvsvc_waiting_claims", "Claims this P server holds waiting for leases its engine has not made yet",
+            lambda: node.leases.arrivals.waiting)
     m.gauge("kvsvc_peers", "P servers this D server has handshaken with", lambda: decoder.peers.cached)
     m.gauge("kvsvc_running_transfers", "Transfers running on this D server", lambda: decoder.jobs.running)
+    m.gauge("kvsvc_transfer_records", "Finished transfers this D server remembers with their outcome (WaitTransfer, "
+            "retries)", lambda: decoder.jobs.remembered)
+    m.gauge("kvsvc_transfer_record_bytes", "What those records cost this D server, estimated (the bound of "
+            "64 MiB is on this figure; bench/record_memory.py checks it against RSS)",
+            lambda: decoder.jobs.remembered_bytes)
     m.gauge("kvsvc_quarantined_transfers", "Failed transfers on this D server whose READs may still land: their "
             "local blocks are not free until these end", lambda: decoder.jobs.quarantined)
     m.gauge("kvsvc_nixl_remote_agents", "Remote NIXL agents loaded here (peers' ranks, on every copy lane)",

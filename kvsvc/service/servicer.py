@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_status import rpc_status
-from opentelemetry import trace
-from opentelemetry.context import Context
 
 from kvsvc.codec import bad_field, block_ids_from_proto, layout_from_proto
 from kvsvc.config import Role
@@ -28,7 +26,6 @@ from kvsvc.limits import (
     check_tp_size,
     clip,
 )
-from kvsvc.logs import REQUEST_ID
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.reasons import Reason
@@ -37,9 +34,10 @@ from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, rpc_errors, to_status
 from kvsvc.service.inspect import list_leases
+from kvsvc.service.lease_calls import LaterAnswers, LeaseCallAnswers, traced
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
-from kvsvc.service.tracing import context_from_metadata, context_from_traceparent, server_span
+from kvsvc.service.tracing import context_from_metadata
 from kvsvc.service.transfer_stream import TransferStreamSession
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -48,21 +46,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KvTransferService"]
 
 log = logging.getLogger(__name__)
 
-
-@contextlib.contextmanager
-def _traced(call: str, request: Any, ctx: Context | None) -> Iterator[None]:
-    """A lease call this P server answers: its log lines name the P-side request, and it is a
-    span in the caller's trace when the caller sent one."""
-    token = REQUEST_ID.set(getattr(request, "request_id", ""))
-    try:
-        if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
-            yield
-            return
-        with server_span(f"kvsvc.{call}", ctx, **{"kvsvc.request_id": getattr(request, "request_id", ""),
-                                                 "kvsvc.peer_engine": getattr(request, "engine_id", "")}):
-            yield
-    finally:
-        REQUEST_ID.reset(token)
+# Answer messages of a LeaseChannel made but not yet sent, past which its next request
+# message is not read (gRPC's flow control then holds the D that sends without reading).
+MAX_UNSENT_ANSWERS = 4
 
 
 def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> Side:
@@ -83,6 +69,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.decoder = decoder
         self.siblings = siblings
         self._lease_channels: dict[asyncio.Task[Any], grpc.aio.ServicerContext] = {}
+        self.lease_answers = LeaseCallAnswers(node)  # the LeaseChannel's, on either carrier
         self._channels_closed = False
         self._transfer_streams: set[TransferStreamSession] = set()
         self._streams_closed = False
@@ -133,8 +120,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:
-        with _traced("claim", request, context_from_metadata(context.invocation_metadata())):
-            return prefill.claim(self.node, request, caller_names(context))
+        with traced("claim", request, context_from_metadata(context.invocation_metadata())):
+            return await prefill.claim_when_made(self.node, request, caller_names(context))
 
     @rpc_errors
     async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:
@@ -186,14 +173,16 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     @rpc_errors
     async def Notify(self, request: pb.NotifyRequest, context: grpc.aio.ServicerContext) -> pb.NotifyResponse:
-        with _traced("notify", request, context_from_metadata(context.invocation_metadata())):
+        with traced("notify", request, context_from_metadata(context.invocation_metadata())):
             return prefill.notify(self.node, request, caller_names(context))
 
     async def LeaseChannel(
         self, request_iterator: AsyncIterator[pb.LeaseChannelRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LeaseChannelResponse]:
-        """ClaimLease and Notify calls, a message of them at a time, answered in order; a call's
-        error is that call's answer and the stream goes on."""
+        """ClaimLease and Notify calls, a message of them at a time, each message's answers in
+        one message; a call's error is that call's answer and the stream goes on. A claim
+        waiting for its lease (wait_ms) is answered in a message of its own when it ends
+        (service/lease_calls.py)."""
         if self._channels_closed:
             err = Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down and opens no LeaseChannel")
             await context.abort_with_status(rpc_status.to_status(to_status(err)))
@@ -201,40 +190,48 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         task = asyncio.current_task()
         if task is not None:
             self._lease_channels[task] = context
+        out: asyncio.Queue[pb.LeaseChannelResponse | KvsvcError | None] = asyncio.Queue()
+        taken = asyncio.Event()  # the sender took an answer from out
+        later = LaterAnswers(lambda answer: out.put_nowait(pb.LeaseChannelResponse(answers=[answer])))
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    try:  # the stream cannot be trusted past a message that does not parse or is too big
+                        if isinstance(msg, Malformed):
+                            raise msg.error()
+                        check_count(msg.calls, "calls", MAX_LEASE_CALLS)
+                    except KvsvcError as e:
+                        out.put_nowait(e)
+                        return
+                    answers = []
+                    for call in msg.calls:
+                        answer = self.lease_answers.answer(call, names)
+                        if isinstance(answer, pb.LeaseAnswer):
+                            answers.append(answer)
+                        else:
+                            later.start(answer)
+                    if answers:
+                        out.put_nowait(pb.LeaseChannelResponse(answers=answers))
+                    while out.qsize() >= MAX_UNSENT_ANSWERS:  # a D that does not read its answers
+                        taken.clear()                         # is not read from either
+                        await taken.wait()
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read(), name="kvsvc LeaseChannel read")
         try:
-            async for msg in request_iterator:
-                try:  # the stream cannot be trusted past a message that does not parse or is too big
-                    if isinstance(msg, Malformed):
-                        raise msg.error()
-                    check_count(msg.calls, "calls", MAX_LEASE_CALLS)
-                except KvsvcError as e:
-                    await context.abort_with_status(rpc_status.to_status(to_status(e)))
-                yield pb.LeaseChannelResponse(answers=[self.lease_call(call, names) for call in msg.calls])
+            while (item := await out.get()) is not None:
+                taken.set()
+                if isinstance(item, KvsvcError):
+                    await context.abort_with_status(rpc_status.to_status(to_status(item)))
+                else:
+                    yield item
         finally:
+            reader.cancel()
+            later.cancel()
             if task is not None:
                 self._lease_channels.pop(task, None)
-
-    def lease_call(self, call: pb.LeaseCall, names: Sequence[str]) -> pb.LeaseAnswer:
-        """One lease call's answer (from the LeaseChannel stream or the lease socket)."""
-        which = call.WhichOneof("call")
-        body = getattr(call, which) if which else None
-        with _traced(which or "none", body, context_from_traceparent(call.traceparent) if call.traceparent else None):
-            return self._answer(call, which, names)
-
-    def _answer(self, call: pb.LeaseCall, which: str | None, names: Sequence[str]) -> pb.LeaseAnswer:
-        try:
-            if which == "claim":
-                return pb.LeaseAnswer(call_id=call.call_id, claim=prefill.claim(self.node, call.claim, names))
-            if which == "notify":
-                return pb.LeaseAnswer(call_id=call.call_id, notify=prefill.notify(self.node, call.notify, names))
-            raise bad_field("calls.call", "set claim or notify", Reason.MISSING_FIELD)
-        except KvsvcError as e:
-            log.info("LeaseChannel %s failed: %s", which, clip(str(e), 300))
-            err = e
-        except Exception as e:  # a bug: answer INTERNAL for this call, keep the stream
-            log.exception("LeaseChannel %s crashed", which)
-            err = KvsvcError(Reason.INTERNAL, f"internal error in LeaseChannel {which}: {type(e).__name__}: {e}")
-        return pb.LeaseAnswer(call_id=call.call_id, error_status=to_status(err).SerializeToString())
 
     @rpc_errors
     async def ListLeases(self, request: pb.ListLeasesRequest,

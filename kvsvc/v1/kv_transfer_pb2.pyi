@@ -155,6 +155,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_ETCD_ERROR: _ClassVar[ErrorReason]
     ERROR_REASON_ETCD_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_ETCD_WATCH_BROKEN: _ClassVar[ErrorReason]
+    ERROR_REASON_TOO_MANY_WAITING_CLAIMS: _ClassVar[ErrorReason]
 
 class NotifyKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -316,6 +317,7 @@ ERROR_REASON_ETCD_ANSWER_TOO_BIG: ErrorReason
 ERROR_REASON_ETCD_ERROR: ErrorReason
 ERROR_REASON_ETCD_UNAVAILABLE: ErrorReason
 ERROR_REASON_ETCD_WATCH_BROKEN: ErrorReason
+ERROR_REASON_TOO_MANY_WAITING_CLAIMS: ErrorReason
 NOTIFY_KIND_UNSPECIFIED: NotifyKind
 NOTIFY_KIND_CONSUMED: NotifyKind
 NOTIFY_KIND_ABORTED: NotifyKind
@@ -673,7 +675,7 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial", "wait_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -686,6 +688,7 @@ class ClaimLeaseRequest(_message.Message):
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_SERIAL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
@@ -698,7 +701,8 @@ class ClaimLeaseRequest(_message.Message):
     consumed: bool
     blocks_digest: bytes
     lease_serial: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ..., blocks_digest: _Optional[bytes] = ..., lease_serial: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ..., blocks_digest: _Optional[bytes] = ..., lease_serial: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms", "state")

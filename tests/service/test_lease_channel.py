@@ -21,6 +21,7 @@ from kvsvc.client.multiplex import Multiplexer
 from kvsvc.config import MemoryMode, Role, load_config
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied
 from kvsvc.limits import MAX_LEASE_CALLS
+from kvsvc.service import prefill as prefill_role
 from kvsvc.service.server import create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -301,5 +302,39 @@ async def test_a_retried_claim_and_consumed_is_answered_consumed_on_either_path(
         with pytest.raises(FailedPrecondition) as e:
             await lane.claim_lease(claim(pub, "s" * 16, consumed=True))
         assert e.value.reason == "LEASE_EXPIRED"
+    finally:
+        await lane.close()
+
+
+async def test_a_claim_that_waits_is_answered_when_the_lease_is_made_on_either_path(prefill):
+    """wait_ms: a claim for a lease not made yet is held on P (unary or on the stream, where
+    the calls behind it are answered first) and granted once the engine leases the blocks;
+    a wait over the limit is refused before anything waits."""
+    server, client = prefill
+    lane = client.lease_channel()
+    arrivals = server.node.leases.arrivals
+    try:
+        token = "w" * 32
+        future = pb.PublishBlocksResponse(params=pb.TransferParams(
+            remote_request_id="soon", remote_epoch=server.node.epoch, lease_token=token))
+        unary = asyncio.ensure_future(client.claim_lease(claim(future, "u" * 16, ranks=[0], wait_ms=30_000)))
+        streamed = asyncio.ensure_future(lane.claim_lease(claim(future, "v" * 16, ranks=[0], wait_ms=30_000)))
+        other = await client.publish_blocks("other", [[2]])
+        # Answered while the claims wait; its answer overtakes theirs on the stream.
+        assert (await lane.claim_lease(claim(other, "o" * 16))).state == pb.LEASE_STATE_CLAIMED
+        assert not unary.done() and not streamed.done() and arrivals.waiting == 2
+        await prefill_role.publish(server.node, pb.PublishBlocksRequest(  # as an engine's worker does, in process
+            request_id="soon", lease_token=token, block_ids_per_group=[pb.BlockIds(block_ids=[1])]), server.siblings)
+        answers = await asyncio.wait_for(asyncio.gather(unary, streamed, return_exceptions=True), 30)
+        # Both woke; one D rank has one owner, so exactly one of the two claims holds it.
+        granted = [a for a in answers if isinstance(a, pb.ClaimLeaseResponse)]
+        refused = [a for a in answers if isinstance(a, KvsvcError)]
+        assert len(granted) == 1 and granted[0].state == pb.LEASE_STATE_CLAIMED
+        assert len(refused) == 1 and refused[0].reason == "LEASE_CLAIMED"
+        assert arrivals.waiting == 0
+        for call in (lane.claim_lease, client.claim_lease):
+            with pytest.raises(InvalidArgument) as e:
+                await call(claim(future, "x" * 16, wait_ms=60_001))
+            assert e.value.reason == "FIELD_TOO_LARGE" and e.value.metadata["field"] == "wait_ms"
     finally:
         await lane.close()
