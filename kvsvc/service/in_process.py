@@ -1,4 +1,9 @@
-"""The in-process carrier: an engine's transfers to a D server embedded in its own process.
+"""The in-process ports: what an engine asks of a server embedded in its own process.
+
+InProcessLeases is P's (lease, withdraw, refuse, and hear every release once);
+InProcessTransfers is D's, below.
+
+InProcessTransfers: an engine's transfers to a D server embedded in its own process.
 
 An engine worker that embeds its server (the vLLM connector) runs both on one event loop.
 Over the transfer socket each transfer was serialized, framed, written, read, parsed and
@@ -14,15 +19,112 @@ servicer's checks).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvsvc.client.client import blocks_proto
-from kvsvc.errors import KvsvcError, Unreachable
+from kvsvc.errors import KvsvcError, PermissionDenied, Unreachable
+from kvsvc.leases.table import Lease, LeaseState, NotifyKind, SubscriberBehind
+from kvsvc.service import prefill
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from kvsvc.service.server import RunningServer
+
+log = logging.getLogger(__name__)
+
+# on_release(request_id, how its lease ended): called on the server's loop.
+ReleaseCallback = Callable[[str, LeaseState], None]
+
+
+class InProcessLeases:
+    """P's leases for the engine that embeds the server, as calls on the server's loop.
+
+    One release stream: on_release hears every lease this server releases, once, in the
+    order they were released -- including leases made by others (PublishBlocks); a
+    withdrawn lease is not announced (its taker knows). The stream is an in-process
+    subscription, made before any lease can exist. If the loop stalls so long that 64 MiB
+    of releases wait unread, the table drops them (SubscriberBehind): the stream is made
+    again, and each lease the engine may be waiting for -- those made here, and the ids
+    `waiting_for()` names -- that is no longer live is reported as its tombstone says
+    (EXPIRED when even that is forgotten). Use it on the server's loop only.
+    """
+
+    def __init__(self, running: RunningServer, on_release: ReleaseCallback,
+                 waiting_for: Callable[[], Iterable[str]] = tuple) -> None:
+        self._node = running.node
+        self._on_release = on_release
+        self._waiting_for = waiting_for
+        self._leased: set[str] = set()  # made here, not yet heard released (bounded by live leases)
+        self.gap_repairs = 0  # times the stream was made again and the gap looked up
+        self._sub = self._node.leases.subscribe()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_releases(), name="kvsvc in-process releases")
+
+    @property
+    def epoch(self) -> int:
+        return self._node.epoch
+
+    def lease(self, req: pb.PublishBlocksRequest) -> Lease:
+        """Check and lease req's blocks on this server, at once; raises KvsvcError when refused."""
+        lease, _ = prefill.lease_here(self._node, req)
+        self._leased.add(req.request_id)
+        return lease
+
+    def withdraw(self, request_id: str, token: str) -> bool:
+        """Take back an unclaimed lease. True: nobody can read the blocks any more (withdrawn,
+        already released, or never made; no release is announced); False: D holds a claim
+        and reads, and the release that ends it comes through on_release."""
+        try:
+            self._node.leases.notify(request_id, NotifyKind.ABORTED, [], self._node.epoch, token=token, withdraw=True)
+        except PermissionDenied:
+            return False
+        self._leased.discard(request_id)
+        return True
+
+    def refuse(self, request_id: str, token: str) -> None:
+        """The engine could not lease request_id under token: a D waiting for it fails now."""
+        self._node.leases.refuse(request_id, token)
+
+    def is_live(self, request_id: str) -> bool:
+        return self._node.leases.get(request_id) is not None
+
+    def final_state(self, request_id: str) -> LeaseState | None:
+        """How request_id's lease ended (None: live, or never known here)."""
+        return self._node.leases.final_state(request_id)
+
+    async def close(self) -> None:
+        self._watch.cancel()
+        await asyncio.gather(self._watch, return_exceptions=True)
+        self._sub.close()
+
+    async def _watch_releases(self) -> None:
+        while True:
+            try:
+                async for ev in self._sub:
+                    self._report(ev.request_id, ev.reason)
+                return  # the table closed: the server stops
+            except SubscriberBehind as e:
+                log.warning("the in-process release stream fell behind (%s); watching again", e)
+            self._sub.close()
+            self._sub = self._node.leases.subscribe()  # first: a release from now on comes through it
+            self._report_gap()
+
+    def _report(self, request_id: str, how: LeaseState) -> None:
+        self._leased.discard(request_id)
+        try:
+            self._on_release(request_id, how)
+        except Exception:
+            log.exception("handling the release of %s failed", request_id)
+
+    def _report_gap(self) -> None:
+        table = self._node.leases
+        for rid in sorted(self._leased | set(self._waiting_for())):
+            if table.get(rid) is None:
+                how = table.final_state(rid) or LeaseState.EXPIRED
+                log.info("%s was released while the release stream was behind (%s)", rid, how.value)
+                self._report(rid, how)
+        self.gap_repairs += 1
 
 
 class InProcessTransfers:

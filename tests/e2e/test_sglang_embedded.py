@@ -183,7 +183,7 @@ def test_releases_missed_while_the_release_watch_was_behind_are_reported_once(pa
         time.sleep(0.02)
     time.sleep(0.2)  # a duplicate would come right behind
     assert sorted(released) == [("after", LeaseState.EXPIRED)] + [(f"gap-{i}", LeaseState.EXPIRED) for i in range(3)]
-    assert p._unreleased == set()
+    assert p._leases is not None and p._leases._leased == set() and p._leases.gap_repairs == 1
 
 
 def test_a_withdraw_on_a_stalled_loop_is_answered_only_once_it_ran(pair):

@@ -18,12 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvsvc.config import Role, load_config
-from kvsvc.errors import KvsvcError, PermissionDenied
+from kvsvc.errors import KvsvcError
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.sglang.layout import SGLangCacheDescription
-from kvsvc.leases.table import LeaseState, NotifyKind, SubscriberBehind
-from kvsvc.service import prefill
-from kvsvc.service.in_process import InProcessTransfers
+from kvsvc.leases.table import LeaseState
+from kvsvc.service.in_process import InProcessLeases, InProcessTransfers
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -51,13 +50,10 @@ class EmbeddedServer:
         self._on_release = on_release
         self._loop = LoopThread(f"kvsvc-sglang-{role.value}-{tp_rank}", log)
         self._server: RunningServer | None = None
-        self._transfers: InProcessTransfers | None = None
+        self._leases: InProcessLeases | None = None  # P
+        self._transfers: InProcessTransfers | None = None  # D
         self._tasks: dict[str, asyncio.Task[Any]] = {}  # D: running transfers, on the loop
         self._given_up: set[str] = set()  # D: cancelled before their task ran
-        self._watcher: asyncio.Task[None] | None = None
-        # P: request ids leased here and not yet reported released (on the loop; bounded by
-        # the lease table's live leases): what the release watch looks up after a gap.
-        self._unreleased: set[str] = set()
         self.address = ""
         self.epoch = 0
 
@@ -75,8 +71,8 @@ class EmbeddedServer:
             server, port = await create_server(config, external_pools={self.tp_rank: self._description.buffers})
             self._server = server
             self.address, self.epoch = host_port(self._host, port), server.node.epoch
-            if self.role is Role.PREFILL:  # subscribed before any lease can exist
-                self._watcher = asyncio.ensure_future(self._watch_releases(server))
+            if self.role is Role.PREFILL:  # hears releases before any lease can exist
+                self._leases = InProcessLeases(server, self._released)
             else:
                 self._transfers = InProcessTransfers(server)
 
@@ -90,8 +86,8 @@ class EmbeddedServer:
         server, self._server = self._server, None
         if server is not None:
             async def down() -> None:
-                if self._watcher is not None:
-                    self._watcher.cancel()
+                if self._leases is not None:
+                    await self._leases.close()
                 for task in list(self._tasks.values()):
                     task.cancel()
                 if self._transfers is not None:
@@ -121,9 +117,8 @@ class EmbeddedServer:
                                       lease_token=token, lease_ttl_ms=ttl_ms)
 
         async def make() -> pb.TransferParams:
-            node = self.server.node
-            lease, _ = prefill.lease_here(node, req)
-            self._unreleased.add(request_id)
+            assert self._leases is not None, "leases are made on a prefill server"
+            lease = self._leases.lease(req)
             return pb.TransferParams(
                 remote_address=self.address, remote_engine_id=self.engine_id, remote_request_id=request_id,
                 remote_block_ids_per_group=ids, remote_epoch=self.epoch,
@@ -149,60 +144,21 @@ class EmbeddedServer:
         may still find D's claim, so "no answer yet" never means "gone" (the pages are
         freed only on True)."""
         async def take_back() -> bool:
-            node = self.server.node
-            try:
-                node.leases.notify(request_id, NotifyKind.ABORTED, [], node.epoch, token=token, withdraw=True)
-            except PermissionDenied:
-                return False
-            self._unreleased.discard(request_id)  # a withdrawn lease is not announced: nothing to wait for
-            return True
+            assert self._leases is not None, "leases are made on a prefill server"
+            return self._leases.withdraw(request_id, token)
 
         return self._loop.submit(take_back())
 
-    async def _watch_releases(self, server: RunningServer) -> None:
-        """Every lease this server releases, to on_release, once. The subscription is read on
-        this same loop, so it falls behind (64 MiB of releases unread) only if the loop stalls
-        that long; it is then made again, and the leases released in the gap are looked up
-        (their tombstones) and reported then."""
-        behind = False
-        while True:
-            sub = server.node.leases.subscribe()
-            if behind:  # subscribed again first: a release from now on comes through sub
-                self._report_gap(server)
-            try:
-                async for ev in sub:
-                    self._report(ev.request_id, ev.reason)
-                return  # the table closed: the server stops
-            except SubscriberBehind as e:
-                log.warning("kvsvc: rank %d's release watch fell behind (%s); watching again", self.tp_rank, e)
-                behind = True
-            finally:
-                sub.close()
-
-    def _report(self, request_id: str, how: LeaseState) -> None:
-        if request_id not in self._unreleased:
-            return  # reported already (found in a gap), or not leased through this server
-        self._unreleased.discard(request_id)
+    def _released(self, request_id: str, how: LeaseState) -> None:
         if self._on_release is not None:
-            try:
-                self._on_release(request_id, how)
-            except Exception:
-                log.exception("kvsvc: handling the release of %s failed", request_id)
-
-    def _report_gap(self, server: RunningServer) -> None:
-        """The leases released while the watch was behind: each tracked lease no longer live
-        ended as its tombstone says (EXPIRED if even that is forgotten: it is gone)."""
-        table = server.node.leases
-        for rid in [r for r in self._unreleased if table.get(r) is None]:
-            how = table.final_state(rid) or LeaseState.EXPIRED
-            log.info("kvsvc: %s was released while the release watch was behind (%s)", rid, how.value)
-            self._report(rid, how)
+            self._on_release(request_id, how)
 
     def final_state(self, request_id: str) -> LeaseState | None:
         return self._loop.run(self._final_state(request_id), CALL_TIMEOUT_S)
 
     async def _final_state(self, request_id: str) -> LeaseState | None:
-        return self.server.node.leases.final_state(request_id)
+        assert self._leases is not None, "leases are made on a prefill server"
+        return self._leases.final_state(request_id)
 
     # ---- D -------------------------------------------------------------------------
 

@@ -33,8 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
 SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors")
 COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed")
-RELEASE_COUNTS = {"RELEASE_REASON_CONSUMED": "consumed", "RELEASE_REASON_ABORTED": "aborted",
-                  "RELEASE_REASON_EXPIRED": "expired"}
+RELEASES_COUNTED = frozenset({"consumed", "aborted", "expired"})  # how a lease ended (LeaseState values)
 
 
 def _empty() -> dict[str, Any]:

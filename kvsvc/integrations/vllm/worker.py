@@ -5,9 +5,10 @@ handed the worker's KV tensors in place; a TP-N engine is an engine over N serve
 D: each request in the step's metadata becomes a Transfer on this worker's server (its
 rank's reads), run on the server's loop while the model keeps stepping. P: the step's
 metadata names the leases to make (under tokens the scheduler minted) and to take back;
-the worker makes them on its own server, in process, on the server's loop; the server's
-release stream says when D is done with a request's blocks (consumed, expired or
-aborted); vLLM frees them once every worker reported it.
+the worker makes them on its own server, in process, on the server's loop
+(service/in_process.py's InProcessLeases); its release stream, in process too, says when
+D is done with a request's blocks (consumed, expired or aborted); vLLM frees them once
+every worker reported it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from collections import OrderedDict
 from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
-from kvsvc.client.client import ReleaseStream
 from kvsvc.client.leases import LEASE_NOT_YET_MADE, heartbeat_is_transient, heartbeat_published, servers_of
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
@@ -30,11 +30,9 @@ from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
-from kvsvc.integrations.vllm.stats import RELEASE_COUNTS, KvsvcConnectorStats
-from kvsvc.leases.table import NotifyKind
-from kvsvc.limits import MAX_LIST_LEASES
-from kvsvc.service import prefill
-from kvsvc.service.in_process import InProcessTransfers
+from kvsvc.integrations.vllm.stats import RELEASES_COUNTED, KvsvcConnectorStats
+from kvsvc.leases.table import LeaseState
+from kvsvc.service.in_process import InProcessLeases, InProcessTransfers
 from kvsvc.service.server import RunningServer, create_server
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
@@ -83,7 +81,7 @@ class KvsvcWorker:
         self._options = client_options
         self._loop = LoopThread(f"kvsvc-worker-{tp_rank}", log)
         self._server: RunningServer | None = None
-        self._client: AsyncClient | None = None
+        self._leases: InProcessLeases | None = None  # P: this rank's leases, and their releases
         # D: transfers go to this rank's server as calls on the loop both run on (made on the
         # first one): no framing, no socket, no gRPC (service/in_process.py).
         self._transfers: InProcessTransfers | None = None
@@ -110,8 +108,6 @@ class KvsvcWorker:
         self._delayed: OrderedDict[str, None] = OrderedDict()
         self._early_failed: OrderedDict[str, None] = OrderedDict()  # early leases refused (on the loop)
         self._stopping = False
-        self.gap_repairs = 0  # release-stream gaps looked up (tests wait on it)
-        self._release_stream: ReleaseStream | None = None
         self._stats = KvsvcConnectorStats()  # since vLLM last took them
         # Since start, for whoever asks (vLLM takes the stats above every step).
         self._totals = {"loaded": 0, "failed": 0, "cancelled": 0, "bytes": 0}
@@ -125,100 +121,50 @@ class KvsvcWorker:
                              tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
                              **self._overrides)
 
-        async def boot() -> tuple[RunningServer, AsyncClient, int]:
+        async def boot() -> tuple[RunningServer, int]:
             server, port = await create_server(config, external_pools={self.tp_rank: description.buffers})
-            client = AsyncClient(_host_port(_dialable(self._listen_host), port), self._options)
-            return server, client, port
+            if self.role in (Role.PREFILL, Role.BOTH):  # hears releases before any lease can exist
+                self._leases = InProcessLeases(server, self._released_here, self._waiting_for)
+            return server, port
 
-        self._server, self._client, port = self._loop.run(boot(), 60)
+        self._server, port = self._loop.run(boot(), 60)
         self._loop.submit(self._loop.watch_stalls())
-        info = self._loop.run(self._client.get_info(), 10)
         self._blocks_per_logical = description.blocks_per_logical
-        self.info = ServerInfo(_host_port(self._advertise_host, port), info.epoch, self.tp_rank,
+        self.info = ServerInfo(_host_port(self._advertise_host, port), self._server.node.epoch, self.tp_rank,
                                description.blocks_per_logical)
-        if self.role in (Role.PREFILL, Role.BOTH):  # subscribed before any lease can exist
-            stream = self._loop.run(self._client.open_release_stream(), 10)
-            self._loop.submit(self._watch_releases(stream))
         log.info("kvsvc: rank %d serves its KV at %s", self.tp_rank, self.info.address)
         return self.info
 
-    async def _watch_releases(self, stream: ReleaseStream) -> None:
-        """P: every lease this rank's server releases. A stream that ends (WATCH_BEHIND when
-        this loop fell 64 MiB behind, a broken connection) is logged and opened again, and
-        the requests vLLM still holds blocks for are looked up: one with no live lease any
-        more was released while nobody listened. Never raises into vLLM."""
-        delay = 0.05
-        while True:
-            self._release_stream = stream
-            try:
-                async for ev in stream:
-                    self._record_release(ev.request_id, pb.ReleaseReason.Name(ev.reason))
-                    delay = 0.05
-                if self._stopping:
-                    return
-                log.warning("kvsvc: rank %d's release stream ended; subscribing again", self.tp_rank)
-            except asyncio.CancelledError:
-                if self._stopping:
-                    raise
-                log.warning("kvsvc: rank %d's release stream was cancelled; subscribing again", self.tp_rank)
-            except Exception as e:
-                if self._stopping:
-                    return
-                log.warning("kvsvc: rank %d's release stream failed (%s); subscribing again", self.tp_rank, e)
-            finally:
-                stream.cancel()
-            stream = await self._resubscribe(delay)
-            delay = min(2 * delay, 5.0)
-            await self._reconcile_releases()
+    @property
+    def gap_repairs(self) -> int:
+        """Times the release stream fell behind and the gap was looked up (tests wait on it)."""
+        return self._leases.gap_repairs if self._leases is not None else 0
 
-    async def _resubscribe(self, delay: float) -> ReleaseStream:
-        assert self._client is not None
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                return await self._client.open_release_stream()
-            except Exception as e:
-                log.warning("kvsvc: rank %d cannot subscribe to its releases yet: %s", self.tp_rank, e)
-                delay = min(2 * delay, 5.0)
+    def _released_here(self, request_id: str, how: LeaseState) -> None:
+        """P, on the loop: a lease of this rank's server ended (InProcessLeases says each once)."""
+        self._record_release(request_id, how.value)
 
-    async def _reconcile_releases(self) -> None:
-        """After a gap in the release stream: each request vLLM holds blocks for whose lease
-        is no longer live was released in the gap (its reason unknown: not counted)."""
-        assert self._client is not None
+    def _waiting_for(self) -> list[str]:
+        """P, on the loop: what a gap in the release stream is looked up for -- the requests
+        vLLM keeps blocks for and has not heard released."""
         with self._lock:
-            waiting = [r for r in self._delayed if r not in self._released]
-        # By exact id, never by prefix: "cmpl-1" must not be taken as released because
-        # 64 other ids starting with it filled the answer (its blocks would be reused while
-        # D reads them).
-        for start in range(0, len(waiting), MAX_LIST_LEASES):
-            batch = waiting[start:start + MAX_LIST_LEASES]
-            try:
-                listed = await self._client.list_leases(request_ids=batch)
-            except Exception as e:
-                log.warning("kvsvc: could not look up the leases of %d requests (%s...): %s", len(batch), batch[0], e)
-                continue
-            live = {lease.request_id for lease in listed.leases}
-            for rid in batch:
-                if rid not in live:
-                    self._record_release(rid, "")
-        self.gap_repairs += 1
+            return [r for r in self._delayed if r not in self._released]
 
     def _record_release(self, request_id: str, reason: str) -> None:
         with self._lock:
             self._released[request_id] = None
             while len(self._released) > FINISHED_REMEMBERED:
                 self._released.popitem(last=False)
-            counted = RELEASE_COUNTS.get(reason)
-            if counted:
-                self._stats.count(counted)
+            if reason in RELEASES_COUNTED:
+                self._stats.count(reason)
 
     def shutdown(self) -> None:
         self._stopping = True
         for fut in list(self._running.values()):
             fut.cancel()
         if self._server is not None:
-            server, client, transfers = self._server, self._client, self._transfers
-            self._server = self._client = self._transfers = None
+            server, leases, transfers = self._server, self._leases, self._transfers
+            self._server = self._leases = self._transfers = None
 
             channels, self._heartbeat_channels = self._heartbeat_channels, {}
             keeper, self._kept = self._keeper, {}
@@ -230,8 +176,8 @@ class KvsvcWorker:
                     await c.close()
                 if transfers is not None:
                     await transfers.close()
-                if client is not None:
-                    await client.close()
+                if leases is not None:
+                    await leases.close()
                 await server.stop(5)
 
             try:
@@ -277,27 +223,26 @@ class KvsvcWorker:
         for rid in delayed_early & self._early_failed.keys():
             del self._early_failed[rid]
             self._record_release(rid, "")
-        server = self._server
-        if server is None:  # shutting down: vLLM frees everything anyway
+        leases = self._leases
+        if leases is None:  # shutting down: vLLM frees everything anyway
             return
         for rid, token in withdraw.items():
             self._early_failed.pop(rid, None)
             try:
-                server.node.leases.notify(rid, NotifyKind.ABORTED, [], server.node.epoch, token=token, withdraw=True)
+                leases.withdraw(rid, token)
             except KvsvcError as e:
                 log.warning("kvsvc: rank %d could not take back the early lease of %s: %s", self.tp_rank, rid, e)
         for rid, order in publish.items():
-            self._lease(server, rid, order)
+            self._lease(leases, rid, order)
         # Every request vLLM now keeps blocks for has had its lease made (in this step or,
         # early, in an earlier one). One with no live lease left was released before vLLM
-        # said so -- an early lease released while the release stream was broken is heard
+        # said so -- an early lease released while the release stream was behind is heard
         # of no other way -- and is reported now (twice is harmless: reported once).
-        table = server.node.leases
         for rid in delayed:
-            if table.get(rid) is None:
+            if not leases.is_live(rid):
                 self._record_release(rid, "")
 
-    def _lease(self, server: RunningServer, rid: str, order: Publish) -> None:
+    def _lease(self, leases: InProcessLeases, rid: str, order: Publish) -> None:
         """Lease one request's blocks on this rank's server, in process, under the token the
         scheduler minted. A refused lease leaves a tombstone, so a D already asking for it
         fails at once instead of waiting, and its blocks go back to vLLM: now, or for an
@@ -306,11 +251,11 @@ class KvsvcWorker:
                                       block_ids_per_group=[pb.BlockIds(block_ids=g) for g in order.block_ids],
                                       lease_token=order.lease_token)
         try:
-            prefill.lease_here(server.node, req)
+            leases.lease(req)
         except Exception as e:
             log.warning("kvsvc: rank %d could not lease %s for decode (its blocks are freed): %s",
                         self.tp_rank, rid, e)
-            server.node.leases.refuse(rid, order.lease_token)
+            leases.refuse(rid, order.lease_token)
             with self._lock:
                 self._stats.count("lease_failed")
             if order.early:
@@ -329,7 +274,6 @@ class KvsvcWorker:
             self._given_up.add(req_id)
 
     async def _transfer(self, req_id: str, recv: Receive) -> Any:
-        assert self._client is not None
         if req_id in self._given_up:
             self._given_up.discard(req_id)
             raise asyncio.CancelledError
