@@ -10,7 +10,9 @@ import asyncio
 import pytest
 
 from kvsvc.client import AsyncClient
+from kvsvc.client.leases import abort_published
 from kvsvc.errors import KvsvcError, PermissionDenied, Unavailable
+from kvsvc.leases.table import LeaseState, NotifyKind
 from kvsvc.service.in_process import InProcessTransfers
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import Engine, HeldReads, in_process_pair, same_block_bytes
@@ -97,3 +99,74 @@ async def test_a_refused_transfer_frees_ps_lease_over_the_channel_it_already_has
             await asyncio.sleep(0.01)
         assert p.node.leases.live_count == 0, "P's lease was given back"
         assert dialled == [], dialled
+
+
+class Heard:
+    """An engine's on_release: every release in the order heard, and an event per count."""
+
+    def __init__(self) -> None:
+        self.releases: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()
+
+    def __call__(self, request_id: str, how) -> None:
+        self.releases.append((request_id, how.value))
+        self.changed.set()
+
+    async def until(self, n: int) -> list[tuple[str, str]]:
+        while len(self.releases) < n:
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 30)
+        return self.releases
+
+
+async def test_in_process_leases_report_each_release_once_in_order_and_repair_a_gap():
+    """P's port: leases made in process, every release heard once and in order (withdrawn
+    ones not at all); a subscription that fell behind is made again, and each lease made
+    here or named by waiting_for that was released in the gap is reported as its tombstone
+    says -- a live one is not."""
+    from kvsvc.service.in_process import InProcessLeases
+
+    async with in_process_pair("ipl") as (p, _d):
+        heard = Heard()
+        named = ["external-gone"]  # leased by someone else; the engine waits for it
+        leases = InProcessLeases(p, heard, lambda: named)
+        token = "7a" * 16
+
+        def lease(rid: str, block: int) -> pb.TransferParams:
+            lease_ = leases.lease(pb.PublishBlocksRequest(request_id=rid, lease_token=token,
+                                                          block_ids_per_group=[pb.BlockIds(block_ids=[block])]))
+            return lease_params(p, rid, lease_.token)
+
+        for i in range(3):
+            lease(f"r{i}", i + 1)
+        assert leases.withdraw("r1", token) and leases.final_state("r1") == LeaseState.ABORTED
+        for rid in ("r2", "r0"):
+            await abort_published(lease_params(p, rid, token), engine_id="router")
+        assert await heard.until(2) == [("r2", "aborted"), ("r0", "aborted")], "in order, r1 not announced"
+
+        # The loop stalled through 64 MiB of releases: the subscription overflows at the next one.
+        lease("live", 5)
+        lease("gone", 6)
+        async with AsyncClient(f"127.0.0.1:{p.port}") as pc:
+            await pc.publish_blocks("external-gone", [[7]])
+        for sub in list(p.node.leases._watchers):
+            sub._max = 1
+        await abort_published(lease_params(p, "gone", token), engine_id="router")
+        leases_table = p.node.leases
+        leases_table.notify("external-gone", NotifyKind.ABORTED, [], leases.epoch,
+                            token=leases_table.get("external-gone").token)
+        released = await heard.until(4)
+        assert sorted(released[2:]) == [("external-gone", "aborted"), ("gone", "aborted")]
+        assert leases.gap_repairs == 1 and leases.is_live("live")
+        # The new subscription hears what comes after, once.
+        await abort_published(lease_params(p, "live", token), engine_id="router")
+        assert (await heard.until(5))[4] == ("live", "aborted")
+        await asyncio.sleep(0)
+        assert len(heard.releases) == 5
+        await leases.close()
+
+
+def lease_params(p, rid: str, token: str) -> pb.TransferParams:
+    """Params naming p's lease of rid (what abort_published needs: address, epoch, token)."""
+    return pb.TransferParams(remote_address=f"127.0.0.1:{p.port}", remote_engine_id=p.node.config.engine_id,
+                             remote_request_id=rid, remote_epoch=p.node.epoch, lease_token=token)
