@@ -18,7 +18,7 @@ import pytest
 from kvsvc.client import Client
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
-from kvsvc.integrations.sglang.embedded import EmbeddedServer
+from kvsvc.integrations.sglang.embedded import SGLangServer
 from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
 from kvsvc.leases.table import LeaseState
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -47,9 +47,9 @@ def pair():
 
     p_pools, p_bufs = pools(1)
     d_pools, d_bufs = pools(None)
-    p = EmbeddedServer(engine_id="sglang-prefill-test", role=Role.PREFILL, tp_rank=0, tp_size=1,
+    p = SGLangServer(engine_id="sglang-prefill-test", role=Role.PREFILL, tp_rank=0, tp_size=1,
                        description=describe(p_pools), host="127.0.0.1", on_release=on_release)
-    d = EmbeddedServer(engine_id="sglang-decode-test", role=Role.DECODE, tp_rank=0, tp_size=1,
+    d = SGLangServer(engine_id="sglang-decode-test", role=Role.DECODE, tp_rank=0, tp_size=1,
                        description=describe(d_pools), host="127.0.0.1")
     p.start()
     d.start()
@@ -84,9 +84,9 @@ def test_a_hybrid_swa_models_window_pages_move_from_their_own_pool():
         windows.append((SGLangWindowPool([b.ctypes.data for b in bufs], [b.nbytes for b in bufs],
                                          [b.shape[1] for b in bufs], 4), bufs))
     (p_pools, p_bufs), (d_pools, d_bufs) = pools(1), pools(None)
-    p = EmbeddedServer(engine_id="sglang-prefill-swa", role=Role.PREFILL, tp_rank=0, tp_size=1, host="127.0.0.1",
+    p = SGLangServer(engine_id="sglang-prefill-swa", role=Role.PREFILL, tp_rank=0, tp_size=1, host="127.0.0.1",
                        description=describe(dataclasses.replace(p_pools, swa=windows[0][0])))
-    d = EmbeddedServer(engine_id="sglang-decode-swa", role=Role.DECODE, tp_rank=0, tp_size=1, host="127.0.0.1",
+    d = SGLangServer(engine_id="sglang-decode-swa", role=Role.DECODE, tp_rank=0, tp_size=1, host="127.0.0.1",
                        description=describe(dataclasses.replace(d_pools, swa=windows[1][0])))
     p.start()
     d.start()
@@ -174,7 +174,7 @@ def test_releases_missed_while_the_release_watch_was_behind_are_reported_once(pa
         for sub in list(p.server.node.leases._watchers):
             sub._max = 1  # the next release overflows it
 
-    p._loop.run(choke(), 10)
+    p.loop.run(choke(), 10)
     deadline = time.monotonic() + 10
     while len(released) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -204,9 +204,9 @@ def test_a_withdraw_on_a_stalled_loop_is_answered_only_once_it_ran(pair):
         node.leases.claim("stalled", params.remote_epoch, token=TOKEN, claim_id="c" * 32, d_engine_id="other-d",
                           d_tp_size=1)
 
-    p._loop.submit(stall())
+    p.loop.submit(stall())
     assert holding.wait(30)
-    claimed = p._loop.submit(claim())
+    claimed = p.loop.submit(claim())
     answer = p.withdraw_later("stalled", TOKEN)
     assert not answer.done() and not claimed.done()
     held.set()

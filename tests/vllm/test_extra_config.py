@@ -95,13 +95,3 @@ def test_a_fixed_listen_port_is_base_plus_rank():
         assert info.address == f"127.0.0.1:{base + 1}"
     finally:
         w.shutdown()
-
-
-@pytest.mark.parametrize(("listen", "dialled"), [("0.0.0.0", "127.0.0.1:9"), ("::", "127.0.0.1:9"),
-                                                 ("10.1.2.3", "10.1.2.3:9"), ("fd00::5", "[fd00::5]:9")])
-def test_the_worker_dials_its_own_server_where_it_listens(listen, dialled):
-    """A server bound to one host address is not on loopback (tests/vllm/test_across_hosts.py
-    runs engines so); a wildcard is."""
-    from kvsvc.integrations.vllm.worker import _dialable, _host_port
-
-    assert _host_port(_dialable(listen), 9) == dialled

@@ -68,7 +68,7 @@ from sglang.srt.utils.network import NetworkAddress
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.sglang import wire
-from kvsvc.integrations.sglang.embedded import EmbeddedServer
+from kvsvc.integrations.sglang.embedded import SGLangServer
 from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
 from kvsvc.leases.table import LeaseState
 
@@ -221,7 +221,7 @@ class KvsvcKVManager(CommonKVManager):
         # With data-parallel attention each DP group is an engine of its own (its scheduler,
         # its pool, its attention-TP ranks 0..n): its servers must not share an identity.
         dp = f"-dp{self.attn_dp_rank}" if self.attn_dp_size > 1 else ""
-        self.kvsvc = EmbeddedServer(
+        self.kvsvc = SGLangServer(
             engine_id=f"sglang-{role.value}-{where}:{serving.port}{dp}", role=role, tp_rank=self.attn_tp_rank,
             tp_size=self.attn_tp_size, description=describe(pools), host=self.local_ip,
             config_path=os.environ.get(CONFIG_ENV) or None, on_release=self._released if prefill else None)

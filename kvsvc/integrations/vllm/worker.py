@@ -26,14 +26,15 @@ from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.leases import LEASE_NOT_YET_MADE, heartbeat_is_transient, heartbeat_published, servers_of
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
+from kvsvc.integrations.embedded import EmbeddedServer
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASES_COUNTED, KvsvcConnectorStats
 from kvsvc.leases.table import LeaseState
-from kvsvc.service.in_process import InProcessLeases, InProcessTransfers
-from kvsvc.service.server import RunningServer, create_server
+from kvsvc.service.in_process import InProcessLeases
+from kvsvc.service.server import RunningServer
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
@@ -44,19 +45,6 @@ FINISHED_REMEMBERED = 1 << 18
 # Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
 # handed out a step before P's workers make the lease: it may not exist yet).
 KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
-
-
-WILDCARDS = ("0.0.0.0", "::", "[::]", "")
-
-
-def _dialable(listen_host: str) -> str:
-    """Where this process reaches a server listening on listen_host: that address itself, or
-    loopback for a wildcard (a server bound to one host address is not on 127.0.0.1)."""
-    return "127.0.0.1" if listen_host in WILDCARDS else listen_host
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def log_under_vllm() -> None:
@@ -79,14 +67,9 @@ class KvsvcWorker:
         self._listen_port = listen_port
         self._overrides = dict(server_overrides or {})
         self._options = client_options
-        self._loop = LoopThread(f"kvsvc-worker-{tp_rank}", log)
-        self._server: RunningServer | None = None
-        self._leases: InProcessLeases | None = None  # P: this rank's leases, and their releases
-        # D: transfers go to this rank's server as calls on the loop both run on (made on the
-        # first one): no framing, no socket, no gRPC (service/in_process.py).
-        self._transfers: InProcessTransfers | None = None
-        self._tasks: dict[str, asyncio.Task[Any]] = {}  # running transfers, on the loop
-        self._given_up: set[str] = set()  # cancelled before their task ran
+        # This rank's server, on its own loop thread: P's leases and their releases, D's
+        # transfers as calls on that loop (integrations/embedded.py).
+        self._embedded: EmbeddedServer | None = None
         self.info: ServerInfo | None = None
         self._blocks_per_logical = 1  # kernel blocks (kvsvc's blocks) in one of vLLM's blocks
         # Rank 0: P leases of the requests waiting in D's queue, heartbeated on the loop.
@@ -121,24 +104,35 @@ class KvsvcWorker:
                              tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
                              **self._overrides)
 
-        async def boot() -> tuple[RunningServer, int]:
-            server, port = await create_server(config, external_pools={self.tp_rank: description.buffers})
-            if self.role in (Role.PREFILL, Role.BOTH):  # hears releases before any lease can exist
-                self._leases = InProcessLeases(server, self._released_here, self._waiting_for)
-            return server, port
-
-        self._server, port = self._loop.run(boot(), 60)
-        self._loop.submit(self._loop.watch_stalls())
+        embedded = EmbeddedServer(config, description.buffers, advertise_host=self._advertise_host,
+                                  on_release=self._released_here, waiting_for=self._waiting_for, log=log,
+                                  name=f"kvsvc-worker-{self.tp_rank}")
+        self._embedded = embedded
+        embedded.start()
         self._blocks_per_logical = description.blocks_per_logical
-        self.info = ServerInfo(_host_port(self._advertise_host, port), self._server.node.epoch, self.tp_rank,
-                               description.blocks_per_logical)
+        self.info = ServerInfo(embedded.address, embedded.epoch, self.tp_rank, description.blocks_per_logical)
         log.info("kvsvc: rank %d serves its KV at %s", self.tp_rank, self.info.address)
         return self.info
 
     @property
+    def _loop(self) -> LoopThread:
+        if self._embedded is None:
+            raise RuntimeError("the worker's kvsvc server was not started")
+        return self._embedded.loop
+
+    @property
+    def _server(self) -> RunningServer | None:
+        """This rank's running server (None once stopped)."""
+        try:
+            return self._embedded.server if self._embedded is not None else None
+        except RuntimeError:
+            return None
+
+    @property
     def gap_repairs(self) -> int:
         """Times the release stream fell behind and the gap was looked up (tests wait on it)."""
-        return self._leases.gap_repairs if self._leases is not None else 0
+        leases = self._embedded.leases if self._embedded is not None else None
+        return leases.gap_repairs if leases is not None else 0
 
     def _released_here(self, request_id: str, how: LeaseState) -> None:
         """P, on the loop: a lease of this rank's server ended (InProcessLeases says each once)."""
@@ -162,29 +156,23 @@ class KvsvcWorker:
         self._stopping = True
         for fut in list(self._running.values()):
             fut.cancel()
-        if self._server is not None:
-            server, leases, transfers = self._server, self._leases, self._transfers
-            self._server = self._leases = self._transfers = None
+        embedded, self._embedded = self._embedded, None
+        if embedded is None:
+            return
+        channels, self._heartbeat_channels = self._heartbeat_channels, {}
+        keeper, self._kept = self._keeper, {}
 
-            channels, self._heartbeat_channels = self._heartbeat_channels, {}
-            keeper, self._kept = self._keeper, {}
+        async def quiet() -> None:  # the heartbeats, before the server stops under them
+            if keeper is not None:
+                keeper.cancel()
+            for c in channels.values():
+                await c.close()
 
-            async def down() -> None:
-                if keeper is not None:
-                    keeper.cancel()
-                for c in channels.values():
-                    await c.close()
-                if transfers is not None:
-                    await transfers.close()
-                if leases is not None:
-                    await leases.close()
-                await server.stop(5)
-
-            try:
-                self._loop.run(down(), 30)
-            except Exception:
-                log.warning("kvsvc: server of rank %d did not stop cleanly", self.tp_rank, exc_info=True)
-        self._loop.stop()
+        try:
+            embedded.loop.run(quiet(), 30)
+        except Exception:
+            log.warning("kvsvc: heartbeats of rank %d did not stop cleanly", self.tp_rank, exc_info=True)
+        embedded.stop(5)
 
     # ---- each step -------------------------------------------------------------------
 
@@ -223,7 +211,7 @@ class KvsvcWorker:
         for rid in delayed_early & self._early_failed.keys():
             del self._early_failed[rid]
             self._record_release(rid, "")
-        leases = self._leases
+        leases = self._embedded.leases if self._embedded is not None else None
         if leases is None:  # shutting down: vLLM frees everything anyway
             return
         for rid, token in withdraw.items():
@@ -267,44 +255,20 @@ class KvsvcWorker:
 
     def _give_up(self, req_id: str) -> None:
         """On the loop: cancel req_id's transfer (or, not started yet, keep it from starting)."""
-        task = self._tasks.get(req_id)
-        if task is not None:
-            task.cancel()
-        else:
-            self._given_up.add(req_id)
+        if self._embedded is not None:
+            self._embedded.cancel_here(req_id)
 
     async def _transfer(self, req_id: str, recv: Receive) -> Any:
-        if req_id in self._given_up:
-            self._given_up.discard(req_id)
-            raise asyncio.CancelledError
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks[req_id] = task
+        """On the loop: one request's load; ends only once nothing of it can write into its
+        blocks (vLLM frees and may reuse them once told it ended)."""
+        embedded = self._embedded
+        if embedded is None:
+            raise RuntimeError("the worker's kvsvc server stopped")
         log.debug("kvsvc: loading %s into %s", req_id, [len(g) for g in recv.local_block_ids])
-        try:
-            params = kvparams.from_vllm(recv.params)
-            if self._transfers is None:
-                assert self._server is not None
-                self._transfers = InProcessTransfers(self._server)
-            local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
-            return await self._transfers.transfer(req_id, params, local, timeout_s=TRANSFER_TIMEOUT_S)
-        except BaseException as e:
-            # vLLM frees (and may reuse) the request's blocks once told it ended: tell it only
-            # when nothing of the transfer can write into them any more.
-            await asyncio.shield(self._settled(req_id, e))
-            raise
-        finally:
-            self._tasks.pop(req_id, None)
-
-    async def _settled(self, req_id: str, error: BaseException) -> None:
-        if self._transfers is None:
-            # Failed before any transfer started, or the server is shutting down (its stop
-            # settles every transfer before it frees the pools).
-            return
-        try:
-            await self._transfers.settled(req_id, error)
-        except Exception as e:  # the server is gone (shutting down): nothing of it writes any more
-            log.warning("kvsvc: could not learn whether %s settled: %s", req_id, e)
+        # No await before transfer_here: a cancel that comes first is found there.
+        params = kvparams.from_vllm(recv.params)
+        local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
+        return await embedded.transfer_here(req_id, params, local, TRANSFER_TIMEOUT_S)
 
     def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
         failed = fut.cancelled() or fut.exception() is not None
@@ -391,11 +355,10 @@ class KvsvcWorker:
 
     async def _abandon(self, req_id: str, params: dict[str, Any]) -> None:
         try:
-            if self._transfers is None:
-                assert self._server is not None
-                self._transfers = InProcessTransfers(self._server)
+            if self._embedded is None:
+                return
             # Through the embedded server: the P servers it read from already have a channel.
-            answers = await self._transfers.abandon(kvparams.from_vllm(params))
+            answers = await self._embedded.abandon_here(kvparams.from_vllm(params))
             log.info("kvsvc: %s abandoned before its transfer: %s", req_id, answers)
         except Exception as e:
             log.warning("kvsvc: could not abort the lease of %s: %s", req_id, e)
