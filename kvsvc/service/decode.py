@@ -233,7 +233,7 @@ class Decoder:
                 legs = await self._pair(req.params, stack)
                 job = self.jobs.find(req.request_id)  # this one's, running this coroutine
                 run = TransferRun(self.node, req, legs, deadline, recorded, self._keep,
-                                  quarantine=job.quarantine if job is not None else lambda _events: None)
+                                  quarantine=job.quarantine if job is not None else lambda _events, _nbytes: None)
                 reads = run.plan()
             return await run.execute(reads)
 

@@ -265,6 +265,9 @@ def _add_gauges(running: RunningServer) -> None:
             lambda: decoder.jobs.remembered_bytes)
     m.gauge("kvsvc_quarantined_transfers", "Failed transfers on this D server whose READs may still land: their "
             "local blocks are not free until these end", lambda: decoder.jobs.quarantined)
+    m.gauge("kvsvc_quarantined_bytes", "Bytes of the engine's blocks that quarantined transfers' READs may still "
+            "write (the transfers' whole requests: none of their blocks is free)",
+            lambda: decoder.jobs.quarantined_bytes)
     m.gauge("kvsvc_nixl_remote_agents", "Remote NIXL agents loaded here (peers' ranks, on every copy lane)",
             lambda: node.data.remote_agents if node.data is not None else 0)
 

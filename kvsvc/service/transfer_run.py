@@ -93,7 +93,7 @@ class TransferRun:
 
     def __init__(self, node: Node, req: pb.TransferRequest, legs: list[Leg], deadline: float,
                  recorded: list[Callable[[], None]], keep: Callable[[asyncio.Future[Any]], None],
-                 quarantine: Callable[[list[asyncio.Event]], None] = lambda _events: None) -> None:
+                 quarantine: Callable[[list[asyncio.Event], int], None] = lambda _events, _nbytes: None) -> None:
         self.node, self.req, self.p, self.legs = node, req, req.params, legs
         self._quarantine = quarantine  # the job's: settle only once these READs ended
         self.deadline = deadline
@@ -288,7 +288,7 @@ class TransferRun:
         """
         unsettled = await self._settle_reads()
         if unsettled:
-            self._quarantine([f.settled for f in unsettled])
+            self._quarantine([f.settled for f in unsettled], sum(x.nbytes for x in self.posted))
         # The READs settled (or are quarantined): from here on only P's answers are waited for, and only until
         # the answer is due (the caller's deadline less the margin's last half), so a P
         # that stalls cannot turn the typed answer into a bare DEADLINE_EXCEEDED. What P has
@@ -327,7 +327,8 @@ class TransferRun:
         try:
             await asyncio.wait_for(asyncio.shield(waited), QUARANTINE_AFTER_S)
         except TimeoutError:
-            waited.cancel()
+            waited.cancel()  # its end (a cancelled READ wait) is nobody's news: seen here
+            waited.add_done_callback(lambda f: None if f.cancelled() else f.exception())
             still = [f for f in unsettled if not f.settled.is_set()]
             log.error("transfer %s: %d READs still in flight %.0f s after it failed: quarantined until they end",
                       self.req.request_id, len(still), QUARANTINE_AFTER_S)

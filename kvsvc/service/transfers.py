@@ -149,10 +149,12 @@ class Job:
     result: pb.TransferResponse | None = None
     failed: FailedOutcome | None = None
     unsettled: list[asyncio.Event] = field(default_factory=list)  # quarantined READs' settled events
+    quarantined_bytes: int = 0  # what those READs were to write into the engine's blocks
 
-    def quarantine(self, settled: list[asyncio.Event]) -> None:
+    def quarantine(self, settled: list[asyncio.Event], nbytes: int) -> None:
         """READs of this job may still land once it ended: it settles only once they did."""
         self.unsettled.extend(settled)
+        self.quarantined_bytes += nbytes
 
     def outcome(self) -> pb.WaitTransferResponse:
         if self.state is JobState.RUNNING:
@@ -315,6 +317,11 @@ class TransferJobs:
     def quarantined(self) -> int:
         """Jobs answered failed whose READs may still land (their local blocks are not free)."""
         return len(self._held)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """The bytes of the engine's blocks those jobs' READs may still write."""
+        return sum(job.quarantined_bytes for job in self._held.values())
 
     async def wait(self, request_id: str, wait_s: float) -> pb.WaitTransferResponse:
         """The job's state, waiting up to wait_s for it to settle; fences unknown ids."""
