@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvsvc.errors import InvalidArgument
 from kvsvc.layout.engine import EngineLayout, KVCacheGroup, KvMemoryLayout, RegionLayout, per_rank_heads
-from kvsvc.layout.kinds import BY_TABLE_KIND, KINDS, check_keys
+from kvsvc.layout.kinds import BY_TABLE_KIND, KINDS, check_keys, table_int, table_list, table_str
 from kvsvc.layout.specs import DType, KVCacheSpec, UniformTypeKVCacheSpecs
 from kvsvc.reasons import Reason
 
@@ -23,15 +24,26 @@ _ANY_LEAF_KEYS = frozenset().union(*(p.table_keys for p in KINDS))
 
 def _leaf_spec(d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType, where: str,
                extra: frozenset[str] = frozenset()) -> KVCacheSpec:
-    kind = d.get("kind", "full_attention")
+    kind = table_str(d, "kind", "full_attention", where)
     policy = BY_TABLE_KIND.get(kind)
     if policy is not None:
         check_keys(d, policy.table_keys | extra, where)
-    dt = DType.parse(d["dtype"]) if "dtype" in d else dtype
+    dt = DType.parse(table_str(d, "dtype", "", where)) if "dtype" in d else dtype
     if policy is None:
         raise InvalidArgument(Reason.UNKNOWN_SPEC_TYPE, f"unknown group kind {kind!r}; use one of {GROUP_KINDS}",
                               {"kind": kind})
     return policy.from_table(d, heads=heads, tp_size=tp_size, block=block, dtype=dt, where=where)
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _choice(kind: type[E], value: str, field: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{field} is {value!r}; use one of "
+                              f"{[m.value for m in kind]}", {"field": field, "value": value[:64]}) from None
 
 
 def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
@@ -43,41 +55,43 @@ def layout_from_dict(d: Mapping[str, Any], tp_size: int) -> EngineLayout:
     if tp_size <= 0:
         raise InvalidArgument(Reason.INVALID_TP_SIZE, f"tp_size must be positive, got {tp_size}", {"tp_size": tp_size})
     check_keys(d, LAYOUT_KEYS, "layout")
-    k = int(d.get("total_num_kv_heads", 8))
-    block = int(d.get("block_size", 16))
-    dtype = DType.parse(str(d.get("dtype", "bfloat16")))
+    k = table_int(d, "total_num_kv_heads", 8, "layout")
+    block = table_int(d, "block_size", 16, "layout")
+    dtype = DType.parse(table_str(d, "dtype", "bfloat16", "layout"))
     heads = per_rank_heads(k, tp_size)
     groups: list[KVCacheGroup] = []
     layer_no = 0
-    for gi, g in enumerate(d.get("groups", [{"kind": "full_attention", "num_layers": 2}])):
+    for gi, g in enumerate(table_list(d, "groups", [{"kind": "full_attention", "num_layers": 2}], "layout")):
         where = f"layout.groups[{gi}]"
         check_keys(g, _UNIFORM_KEYS | _GROUP_EXTRA_KEYS | _ANY_LEAF_KEYS, where)
-        name = str(g.get("name", f"g{gi}"))
+        name = table_str(g, "name", f"g{gi}", where)
         if g.get("kind") == "uniform":
             check_keys(g, _UNIFORM_KEYS, where)
             inner: list[tuple[str, KVCacheSpec]] = []
-            for li, ld in enumerate(g.get("layers", [])):
+            for li, ld in enumerate(table_list(g, "layers", [], where)):
                 inner.append((f"layers.{layer_no}", _leaf_spec(ld, heads=heads, tp_size=tp_size, block=block,
                                                                dtype=dtype, where=f"{where}.layers[{li}]")))
                 layer_no += 1
             groups.append(KVCacheGroup(name, UniformTypeKVCacheSpecs(block, tuple(inner)),
-                                       num_blocks=int(g.get("num_blocks", 0))))
+                                       num_blocks=table_int(g, "num_blocks", 0, where)))
             continue
         spec = _leaf_spec(g, heads=heads, tp_size=tp_size, block=block, dtype=dtype, where=where,
                           extra=_GROUP_EXTRA_KEYS)
-        n = int(g.get("num_layers", 1))
+        n = table_int(g, "num_layers", 1, where)
         groups.append(KVCacheGroup(name, spec, tuple(f"layers.{layer_no + i}" for i in range(n)),
-                                   int(g.get("num_blocks", 0))))
+                                   table_int(g, "num_blocks", 0, where)))
         layer_no += n
     layout = EngineLayout(
-        model_id=str(d.get("model_id", "kvsvc-tiny")),
+        model_id=table_str(d, "model_id", "kvsvc-tiny", "layout"),
         total_num_kv_heads=k,
         block_size=block,
-        num_blocks=int(d.get("num_blocks", 64)),
+        num_blocks=table_int(d, "num_blocks", 64, "layout"),
         groups=tuple(groups),
-        kv_memory_layout=KvMemoryLayout(str(d.get("kv_memory_layout", "HND")).upper()),
-        region_layout=RegionLayout(str(d.get("region_layout", "split_kv")).lower()),
-        dcp_size=int(d.get("dcp_size", 1)),
+        kv_memory_layout=_choice(KvMemoryLayout, table_str(d, "kv_memory_layout", "HND", "layout").upper(),
+                                 "layout.kv_memory_layout"),
+        region_layout=_choice(RegionLayout, table_str(d, "region_layout", "split_kv", "layout").lower(),
+                              "layout.region_layout"),
+        dcp_size=table_int(d, "dcp_size", 1, "layout"),
     )
     layout.validate(tp_size)
     return layout

@@ -13,6 +13,7 @@ reference bytes (verify.py).
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -79,6 +80,39 @@ def check_keys(table: Mapping[str, Any], allowed: frozenset[str], where: str) ->
     if unknown:
         raise InvalidArgument(Reason.UNKNOWN_LAYOUT_KEY, f"{where} has unknown keys {unknown}; it may have "
                               f"{sorted(allowed)}", {"where": where, "unknown": ",".join(unknown)})
+
+
+def table_int(table: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    """An integer value of a layout table: a whole number, never a float, a bool or a string
+    (`num_blocks = 4.7` once loaded 4 blocks, `block_size = true` a block of 1, unsaid)."""
+    value = table.get(key, default)
+    if not _whole(value):
+        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{where}.{key} must be a whole number, not {value!r}",
+                              {"field": f"{where}.{key}", "value": repr(value)[:64]})
+    return int(value)
+
+
+def _whole(value: object) -> bool:
+    """An integer of any integer type (an engine's sizes may be numpy's), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def table_str(table: Mapping[str, Any], key: str, default: str, where: str) -> str:
+    """A string value of a layout table (a number is not taken as its digits)."""
+    value = table.get(key, default)
+    if not isinstance(value, str):
+        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{where}.{key} must be a string, not {value!r}",
+                              {"field": f"{where}.{key}", "value": repr(value)[:64]})
+    return value
+
+
+def table_list(table: Mapping[str, Any], key: str, default: list[Any], where: str) -> list[Any]:
+    """A list value of a layout table (an array of tables, or of numbers)."""
+    value = table.get(key, default)
+    if not isinstance(value, list | tuple):
+        raise InvalidArgument(Reason.INVALID_LAYOUT, f"{where}.{key} must be a list, not {type(value).__name__}",
+                              {"field": f"{where}.{key}"})
+    return list(value)
 
 
 S = TypeVar("S", bound=KVCacheSpec)  # the spec class a policy is for
@@ -182,7 +216,8 @@ class FullAttention(_Attention[FullAttentionSpec]):
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
-        return FullAttentionSpec(block, heads, int(d.get("head_size", 64)), dtype, int(d.get("head_size_v", 0)))
+        return FullAttentionSpec(block, heads, table_int(d, "head_size", 64, where), dtype,
+                                 table_int(d, "head_size_v", 0, where))
 
     def hash_item(self, spec: FullAttentionSpec) -> dict[str, object]:
         return {**super().hash_item(spec), "head_size_v": spec.value_head_size}
@@ -196,7 +231,8 @@ class SlidingWindow(_Attention[SlidingWindowSpec]):
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
-        return SlidingWindowSpec(block, heads, int(d.get("head_size", 64)), dtype, int(d.get("sliding_window", 128)))
+        return SlidingWindowSpec(block, heads, table_int(d, "head_size", 64, where), dtype,
+                                 table_int(d, "sliding_window", 128, where))
 
     def hash_item(self, spec: SlidingWindowSpec) -> dict[str, object]:
         return {**super().hash_item(spec), "window": spec.sliding_window}
@@ -212,7 +248,7 @@ class MLA(_Attention[MLAAttentionSpec]):
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
-        return MLAAttentionSpec(block, 1, int(d.get("head_size", 576)), dtype)
+        return MLAAttentionSpec(block, 1, table_int(d, "head_size", 576, where), dtype)
 
     def allocations(self, spec: MLAAttentionSpec, memory_order: KvMemoryLayout,
                     region_layout: RegionLayout) -> list[Allocation]:
@@ -246,11 +282,16 @@ class Mamba(KindPolicy[MambaSpec]):
 
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
-        states = d.get("states", [{"shape": [8, 16]}])
+        states = table_list(d, "states", [{"shape": [8, 16]}], where)
         shapes = []
         for si, st in enumerate(states):
-            check_keys(st, self.state_keys, f"{where}.states[{si}]")
-            full = [int(x) for x in st["shape"]]
+            at = f"{where}.states[{si}]"
+            check_keys(st, self.state_keys, at)
+            full = table_list(st, "shape", [], at)
+            if not full or not all(_whole(x) for x in full):
+                raise InvalidArgument(Reason.INVALID_LAYOUT, f"{at}.shape must be a list of whole numbers, not "
+                                      f"{full!r}"[:200], {"field": f"{at}.shape"})
+            full = [int(x) for x in full]
             if full[0] % tp_size:
                 raise InvalidArgument(Reason.TP_NOT_DIVISIBLE,
                                       f"mamba state dim 0 ({full[0]}) is not divisible by TP {tp_size}",

@@ -151,6 +151,39 @@ def test_unknown_layout_keys_are_named_not_ignored(table, where, unknown):
     assert e.value.metadata == {"where": where, "unknown": unknown}
 
 
+@pytest.mark.parametrize("table, field", [
+    ({"num_blocks": 4.7}, "layout.num_blocks"),  # it loaded 4 blocks, unsaid
+    ({"block_size": True}, "layout.block_size"),  # it loaded a block of 1 token
+    ({"total_num_kv_heads": "8"}, "layout.total_num_kv_heads"),
+    ({"dcp_size": 2.0}, "layout.dcp_size"),
+    ({"model_id": 7}, "layout.model_id"),
+    ({"dtype": 16}, "layout.dtype"),
+    ({"kv_memory_layout": "XHD"}, "layout.kv_memory_layout"),
+    ({"region_layout": "by_layer"}, "layout.region_layout"),
+    ({"groups": {"full": {}}}, "layout.groups"),
+    ({"groups": [{"kind": "full_attention", "num_layers": "3"}]}, "layout.groups[0].num_layers"),
+    ({"groups": [{"kind": "full_attention", "head_size": 64.5}]}, "layout.groups[0].head_size"),
+    ({"groups": [{"kind": "sliding_window", "sliding_window": False}]}, "layout.groups[0].sliding_window"),
+    ({"groups": [{"kind": "mla", "num_blocks": 1e3}]}, "layout.groups[0].num_blocks"),
+    ({"groups": [{"kind": 3}]}, "layout.groups[0].kind"),
+    ({"groups": [{"kind": "uniform", "layers": {"kind": "mla"}}]}, "layout.groups[0].layers"),
+    ({"groups": [{"kind": "mamba", "states": [{"shape": [8, 1.5]}]}]}, "layout.groups[0].states[0].shape"),
+])
+def test_layout_values_of_the_wrong_type_are_refused_not_converted(table, field):
+    with pytest.raises(InvalidArgument) as e:
+        layout_from_dict(table, 1)
+    assert (e.value.reason, e.value.metadata["field"]) == ("INVALID_LAYOUT", field), e.value
+
+
+def test_integers_of_any_integer_type_are_taken():
+    """An engine's sizes may be numpy integers; they are whole numbers all the same."""
+    import numpy as np
+
+    layout = layout_from_dict({"num_blocks": np.int64(12), "block_size": np.int32(4),
+                               "groups": [{"kind": "mamba", "states": [{"shape": [np.int64(8), 16]}]}]}, 1)
+    assert (layout.num_blocks, layout.block_size) == (12, 4) and type(layout.num_blocks) is int
+
+
 def test_a_group_may_have_a_pool_of_its_own_size():
     """SGLang's sliding-window pool holds fewer pages than its full pool: the group's regions
     get its block count, and its block ids are checked against it (not the layout's)."""
