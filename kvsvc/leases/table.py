@@ -1,5 +1,9 @@
 """P-side leases: published requests, claims, release accounting, expiry, release events.
 
+The state machine and its quotas live here; what it keeps and says is in records.py, the
+per-block holder counts in holders.py, the release subscribers in releases.py, and the
+claims waiting for a lease not made yet in arrivals.py.
+
 A lease moves OFFERED -> CLAIMED -> one of CONSUMED / EXPIRED / ABORTED, exactly once.
 Expiry is driven by one reaper task that sleeps until the earliest deadline; it never
 assumes leases expire in publish order (a claim or heartbeat moves a deadline later).
@@ -10,13 +14,9 @@ duplicate notifications get the final state.
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
-import hashlib
 import heapq
 import logging
 import secrets
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -27,132 +27,32 @@ import numpy as np
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.leases.arrivals import LeaseArrivals
+from kvsvc.leases.holders import BlockHolders
+from kvsvc.leases.records import (
+    Claim,
+    Lease,
+    LeaseState,
+    NotifyKind,
+    Release,
+    Tombstone,
+    blocks_digest,
+    claim_digest,
+    monotonic_to_unix_ms,
+    new_lease_token,
+    unix_ms,
+)
+from kvsvc.leases.releases import MAX_WATCH_BACKLOG_BYTES, SubscriberBehind, Subscription
 from kvsvc.mapping.release import ReleaseTracker
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.reasons import Reason
 
 log = logging.getLogger(__name__)
 
+__all__ = ["MAX_WATCH_BACKLOG_BYTES", "Claim", "Lease", "LeaseState", "LeaseTable", "NotifyKind", "Release",
+           "SubscriberBehind", "Subscription", "Tombstone", "blocks_digest", "monotonic_to_unix_ms",
+           "new_lease_token"]
+
 TOMBSTONES_MAX = 100_000
-# What a release costs a subscriber beyond its block ids (the object, its arrays' headers,
-# the queue's slot), bytes.
-RELEASE_OVERHEAD_BYTES = 512
-# Most bytes of releases held for one WatchReleases subscriber that does not read; past it
-# the subscriber is ended (WATCH_BEHIND) and what it held is freed.
-MAX_WATCH_BACKLOG_BYTES = 64 * 1024 * 1024
-
-
-class LeaseState(enum.Enum):
-    OFFERED = "offered"
-    CLAIMED = "claimed"
-    CONSUMED = "consumed"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
-    @property
-    def released(self) -> bool:
-        return self in (LeaseState.CONSUMED, LeaseState.EXPIRED, LeaseState.ABORTED)
-
-
-class NotifyKind(enum.Enum):
-    CONSUMED = "consumed"
-    ABORTED = "aborted"
-    HEARTBEAT = "heartbeat"
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """One claimant of a lease: its secret id and the D ranks it reads and notifies for."""
-
-    claim_id: str
-    d_ranks: frozenset[int]
-
-
-@dataclass
-class Lease:
-    """One published request. Times are time.monotonic() seconds unless named _unix.
-
-    token is the secret handed out in TransferParams; claims maps claim_id to the claim.
-    Several claims may hold one lease only when they come from one D engine and cover
-    disjoint D ranks (a D engine whose ranks sit on several servers).
-    """
-
-    request_id: str
-    block_ids: list[np.ndarray]  # uint32 per group: 4 bytes an id (a list of ints costs ~36)
-    epoch: int
-    expires_at: float
-    token: str
-    state: LeaseState = LeaseState.OFFERED
-    d_engine_id: str = ""
-    d_tp_size: int = 0
-    d_dcp_size: int = 1
-    tracker: ReleaseTracker | None = None
-    claims: dict[str, Claim] = field(default_factory=dict)
-    released_unix_ms: int = 0
-    published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
-    digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
-    serial: int = 0  # this lease among every lease this table made: one id leased again is another lease
-
-
-def _claim_digest(claim_id: str) -> bytes:
-    """8 bytes that stand for a claim id in a tombstone (kept small: 100k tombstones)."""
-    return hashlib.blake2b(claim_id.encode(), digest_size=8).digest()
-
-
-@dataclass(frozen=True, slots=True)
-class Tombstone:
-    """What stays of a released lease: enough to answer late claims and notifications."""
-
-    state: LeaseState
-    released_unix_ms: int
-    # For a CONSUMED lease: short digests of the claim ids that consumed it, so that a
-    # claimant's retried claim-and-consumed (its stream broke before the answer) is
-    # answered CONSUMED again instead of LEASE_EXPIRED (its READs were good).
-    consumed_by: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """A released request, as WatchReleases reports it.
-
-    free_block_ids: the released blocks no other live lease holds (the same block may sit in
-    two leases, e.g. a prefix two requests share): what an engine may reuse now.
-    """
-
-    request_id: str
-    reason: LeaseState
-    block_ids: list[np.ndarray]
-    released_unix_ms: int
-    free_block_ids: list[np.ndarray] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        """What this release holds while it waits for a subscriber (the subscriber's share)."""
-        return RELEASE_OVERHEAD_BYTES + len(self.request_id) + sum(
-            a.nbytes for a in (*self.block_ids, *self.free_block_ids))
-
-
-def _unix_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def monotonic_to_unix_ms(t: float) -> int:
-    return _unix_ms() + int((t - time.monotonic()) * 1000)
-
-
-def new_lease_token() -> str:
-    return secrets.token_hex(16)
-
-
-def blocks_digest(block_ids: Sequence[Sequence[int] | np.ndarray], num_tokens: int) -> bytes:
-    """What a lease holds, as ClaimLeaseRequest.blocks_digest spells it (BLAKE2b-128 over
-    num_tokens, then per group its count and its ids, each 8 bytes little-endian)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(struct.pack("<q", num_tokens))
-    for ids in block_ids:
-        h.update(struct.pack("<q", len(ids)))
-        h.update(np.asarray(ids, dtype="<i8").tobytes())
-    return h.digest()
 
 
 def _check_token(lease: Lease, token: str) -> None:
@@ -183,9 +83,8 @@ class LeaseTable:
     watch_backlog_bytes: int = MAX_WATCH_BACKLOG_BYTES
     max_claims_per_engine: int = 16_384  # claimed leases one D engine may hold at once
     _live: dict[str, Lease] = field(default_factory=dict)
-    _leased_blocks: int = 0
     _claims_of: dict[str, int] = field(default_factory=dict)  # D engine id -> claimed leases it holds
-    _holders: list[np.ndarray] = field(default_factory=list)  # per group: live leases holding each block
+    _holders: BlockHolders = field(default_factory=BlockHolders)  # live leases holding each block
     _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
     # Aborts, with a token, of leases not made yet (request id -> token): an engine that
     # hands out params before its servers lease the blocks (lease_pending) may hear that D
@@ -255,10 +154,10 @@ class LeaseTable:
                              code=ErrorCode.RESOURCE_EXHAUSTED)
         blocks = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
         count = sum(int(a.size) for a in blocks)
-        if self._leased_blocks + count > self.max_leased_blocks:
-            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._leased_blocks} block ids are leased, and {count} "
+        if self._holders.leased_blocks + count > self.max_leased_blocks:
+            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._holders.leased_blocks} block ids are leased, and {count} "
                              f"more would pass the most this server keeps ({self.max_leased_blocks}); wait for "
-                             "releases", {"leased_blocks": self._leased_blocks, "asked": count,
+                             "releases", {"leased_blocks": self._holders.leased_blocks, "asked": count,
                                           "max_leased_blocks": self.max_leased_blocks},
                              code=ErrorCode.RESOURCE_EXHAUSTED)
         ttl = self.default_ttl_s if not ttl_s else ttl_s
@@ -277,7 +176,7 @@ class LeaseTable:
         self._live[request_id] = lease
         if len(self._live) == 1:
             self.on_live_change(+1)
-        self._hold(blocks, +1)
+        self._holders.hold(blocks, +1)
         self._schedule(lease)
         self.arrivals.arrived(request_id)
         return lease
@@ -285,30 +184,7 @@ class LeaseTable:
     @property
     def leased_blocks(self) -> int:
         """Block ids held by live leases (a block in two leases counts twice)."""
-        return self._leased_blocks
-
-    def _hold(self, blocks: list[np.ndarray], delta: int) -> None:
-        """Count (delta +1) or uncount (-1) a lease's blocks in the per-block holder counts."""
-        while len(self._holders) < len(blocks):
-            self._holders.append(np.zeros(0, dtype=np.int32))
-        for g, ids in enumerate(blocks):
-            if not ids.size:
-                continue
-            need = int(ids.max()) + 1
-            if need > self._holders[g].size:  # grows to the largest block id seen (the pool's size)
-                grown = np.zeros(max(need, 2 * self._holders[g].size), dtype=np.int32)
-                grown[:self._holders[g].size] = self._holders[g]
-                self._holders[g] = grown
-            np.add.at(self._holders[g], ids, delta)  # add.at: a block listed twice counts twice
-            self._leased_blocks += delta * int(ids.size)
-
-    def _now_free(self, blocks: list[np.ndarray]) -> list[np.ndarray]:
-        """Of a released lease's blocks (already uncounted), those no live lease holds, sorted."""
-        out = []
-        for g, ids in enumerate(blocks):
-            unique = np.unique(ids)
-            out.append(unique[self._holders[g][unique] == 0] if unique.size else unique)
-        return out
+        return self._holders.leased_blocks
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
               d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
@@ -452,7 +328,7 @@ class LeaseTable:
         fail now. A live lease of that id (someone else's token) is left alone."""
         self._aborted_early.pop(request_id, None)
         if request_id not in self._live:
-            self._remember(self._dead, request_id, Tombstone(LeaseState.ABORTED, _unix_ms()))
+            self._remember(self._dead, request_id, Tombstone(LeaseState.ABORTED, unix_ms()))
             self.arrivals.arrived(request_id)
 
     @staticmethod
@@ -470,7 +346,7 @@ class LeaseTable:
         """Whether claim_id's claim consumed request_id's lease (of this epoch), per its tombstone."""
         dead = self._dead.get(request_id)
         return (epoch == self.epoch and dead is not None and dead.state is LeaseState.CONSUMED
-                and _claim_digest(claim_id) in dead.consumed_by)
+                and claim_digest(claim_id) in dead.consumed_by)
 
     def final_state(self, request_id: str) -> LeaseState | None:
         """How request_id's lease ended, while its tombstone is kept; None while it is live
@@ -551,13 +427,13 @@ class LeaseTable:
             if not self._claimed:
                 self._no_claims.set()
         lease.state = reason
-        lease.released_unix_ms = _unix_ms()
+        lease.released_unix_ms = unix_ms()
         if self._live.pop(lease.request_id, None) is not None and not self._live:
             self.on_live_change(-1)
-        self._hold(lease.block_ids, -1)
+        self._holders.hold(lease.block_ids, -1)
         # A tombstone keeps the final state only: block lists of released leases would
         # otherwise pile up (a 100k-entry history of long requests is gigabytes).
-        consumed_by = tuple(_claim_digest(c) for c in lease.claims) if reason is LeaseState.CONSUMED else ()
+        consumed_by = tuple(claim_digest(c) for c in lease.claims) if reason is LeaseState.CONSUMED else ()
         self._remember(self._dead, lease.request_id, Tombstone(reason, lease.released_unix_ms, consumed_by))
         log.info("released %s: %s%s", lease.request_id, reason.value, "" if announce else " (withdrawn)")
         if not announce:  # never handed out: the engine hears of it from its failed publish
@@ -566,7 +442,7 @@ class LeaseTable:
         if not self._watchers:
             return
         ev = Release(lease.request_id, reason, lease.block_ids, lease.released_unix_ms,
-                     self._now_free(lease.block_ids))
+                     self._holders.now_free(lease.block_ids))
         for w in list(self._watchers):
             w.offer(ev)
 
@@ -593,64 +469,3 @@ class LeaseTable:
                 pass
 
 
-class SubscriberBehind(Exception):
-    """A WatchReleases subscriber fell so far behind that its releases were dropped."""
-
-    def __init__(self, held_bytes: int, limit_bytes: int) -> None:
-        super().__init__(f"{held_bytes} bytes of releases waited for this subscriber (limit {limit_bytes})")
-        self.held_bytes, self.limit_bytes = held_bytes, limit_bytes
-
-
-class Subscription:
-    """An async iterator of releases; ends when the table closes, or raises SubscriberBehind
-    once more than max_bytes of releases waited for it (they are dropped at once: a
-    subscriber that stops reading must not grow the server)."""
-
-    def __init__(self, registry: set[Subscription], max_bytes: int) -> None:
-        self._registry, self._max = registry, max_bytes
-        self._events: collections.deque[Release] = collections.deque()
-        self._bytes = 0
-        self._wake = asyncio.Event()
-        self._ended = False
-        self._behind: SubscriberBehind | None = None
-
-    def offer(self, ev: Release) -> None:
-        """Queue ev for this subscriber (the table calls it for every release)."""
-        size = ev.nbytes
-        if self._bytes + size > self._max:
-            self._behind = SubscriberBehind(self._bytes + size, self._max)
-            self._events.clear()
-            self._bytes = 0
-            self.close()
-            return
-        self._events.append(ev)
-        self._bytes += size
-        self._wake.set()
-
-    def end(self) -> None:
-        """No more releases (the table closed): iteration stops once the queued ones are read."""
-        self._ended = True
-        self.close()
-
-    @property
-    def held_bytes(self) -> int:
-        return self._bytes
-
-    def __aiter__(self) -> Subscription:
-        return self
-
-    async def __anext__(self) -> Release:
-        while not self._events:
-            if self._behind is not None:
-                raise self._behind
-            if self._ended:
-                raise StopAsyncIteration
-            self._wake.clear()
-            await self._wake.wait()
-        ev = self._events.popleft()
-        self._bytes -= ev.nbytes
-        return ev
-
-    def close(self) -> None:
-        self._registry.discard(self)
-        self._wake.set()
