@@ -164,25 +164,25 @@ proto-baseline: $(STAMP)
 	cd protos && ../$(BIN)/buf build -o kvsvc.v1.binpb
 
 bench: $(STAMP)
-	$(BIN)/kvsvc bench --json bench/results.json
+	$(BIN)/kvsvc bench --json benchmarks/results.json
 
 # The same request between TP sizes with HND, NHD and mixed blocks: what a memory order costs.
 bench-layouts: $(STAMP)
-	$(BIN)/python -m bench.layouts --json bench/layouts.json
+	$(BIN)/python -m benchmarks.layouts --json benchmarks/layouts.json
 
 # P and D on two simulated hosts (network namespaces; needs root): kvsvc vs raw NIXL over the link.
 bench-hosts: $(STAMP)
-	$(BIN)/python -m bench.hosts --json bench/hosts.json
+	$(BIN)/python -m benchmarks.hosts --json benchmarks/hosts.json
 
 # The same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector, side by side.
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m bench.vllm_pd --json bench/vllm.json
-	$(VLLM_VENV)/bin/python -m bench.vllm_load --json bench/vllm-load.json --plot bench/vllm-load.png
-	$(VLLM_VENV)/bin/python -m bench.vllm_embedded --json bench/vllm-embedded.json
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_pd --json benchmarks/vllm.json
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_load --json benchmarks/vllm-load.json --plot benchmarks/vllm-load.png
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_embedded --json benchmarks/vllm-embedded.json
 
 # SGLang with the kvsvc backend vs its own NIXL backend, same pair (about 6 minutes here).
 bench-sglang: $(SGLANG_STAMP)
-	$(SGLANG_VENV)/bin/python -m bench.sglang_pd --json bench/sglang.json
+	$(SGLANG_VENV)/bin/python -m benchmarks.sglang_pd --json benchmarks/sglang.json
 
 proto: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen

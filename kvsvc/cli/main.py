@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     b = sub.add_parser("bench", help="kvsvc Transfer vs raw NIXL vs memcpy, side by side: sizes, concurrency, "
                        "cold vs warm", epilog=_examples(
-                           "kvsvc bench --json bench/results.json --plot docs/bench",
+                           "kvsvc bench --json benchmarks/results.json --plot docs/bench",
                            "kvsvc bench --prefill 10.0.0.5:50051 --decode 10.0.0.6:50051 --ca ca.pem",
                            "kvsvc bench --memory vram --max-mib 256"))
     from kvsvc.cli.bench import add_arguments

@@ -261,7 +261,7 @@ def _add_gauges(running: RunningServer) -> None:
     m.gauge("kvsvc_transfer_records", "Finished transfers this D server remembers with their outcome (WaitTransfer, "
             "retries)", lambda: decoder.jobs.remembered)
     m.gauge("kvsvc_transfer_record_bytes", "What those records cost this D server, estimated (the bound of "
-            "64 MiB is on this figure; bench/record_memory.py checks it against RSS)",
+            "64 MiB is on this figure; benchmarks/record_memory.py checks it against RSS)",
             lambda: decoder.jobs.remembered_bytes)
     m.gauge("kvsvc_quarantined_transfers", "Failed transfers on this D server whose READs may still land: their "
             "local blocks are not free until these end", lambda: decoder.jobs.quarantined)

@@ -53,7 +53,7 @@ RECORD_OVERHEAD_BYTES = 1024
 FAILED_RECORD_EXTRA_BYTES = 1536
 """What a failed one costs beyond that: its record's small objects are made among the
 failed run's garbage, and keep allocator pages alive. Both figures are set from D's RSS
-per kept record, measured by bench/record_memory.py with 1,000-block requests (failed:
+per kept record, measured by benchmarks/record_memory.py with 1,000-block requests (failed:
 ~1.9 KiB on average, at most ~2.6 KiB a batch; successful: ~0.5 KiB), so that the byte
 bound holds for what the process spends; tests/e2e/test_record_memory.py checks it."""
 
@@ -75,7 +75,7 @@ class FailedOutcome:
     the TransferFailure, as the caller receives them): one object of a few hundred bytes
     where the fields as Python objects were a dozen small ones, and small long-lived
     objects scattered among a failed run's garbage kept whole allocator pages alive (a
-    kept failed record cost ~3 KiB of D's RSS for ~1.5 KiB of objects; bench/record_memory.py).
+    kept failed record cost ~3 KiB of D's RSS for ~1.5 KiB of objects; benchmarks/record_memory.py).
     """
 
     status: bytes

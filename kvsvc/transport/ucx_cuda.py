@@ -1,6 +1,6 @@
 """What UCX needs before it moves GPU memory the way kvsvc moves it: READs, from the NIXL thread.
 
-Measured on an H200 (one GPU, no NVLink; bench/nixl_vram_probe.py, a 256 MiB READ
+Measured on an H200 (one GPU, no NVLink; benchmarks/nixl_vram_probe.py, a 256 MiB READ
 between two processes): UCX's default left cuda_ipc out of READs ("cuda-ipc get zcopy
 disabled as no nvlinks detected") and served them by "software emulation" over TCP
 through host memory at 0.37-0.47 GB/s; with cuda_ipc READs allowed the same READ ran at

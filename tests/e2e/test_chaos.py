@@ -637,7 +637,7 @@ def _print_figures(request):
         import json
 
         text = json.dumps(FIGURES, indent=1, default=str)
-        out = Path(os.environ.get("KVSVC_CHAOS_JSON", "bench/chaos.json"))
+        out = Path(os.environ.get("KVSVC_CHAOS_JSON", "benchmarks/chaos.json"))
         out.parent.mkdir(exist_ok=True)
         out.write_text(text)
         tr = request.config.pluginmanager.get_plugin("terminalreporter")

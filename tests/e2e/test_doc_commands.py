@@ -74,7 +74,7 @@ WHO: dict[str, object] = {
     '{"prompt_token_ids": [1]})\'': ("not here", "reproduces vLLM's own crash on a CPU with AMX (it dies there, "
                                      "whatever the connector); tests/vllm/test_quickstart.py checks kvsvc's "
                                      "workaround in each engine where the CPU has AMX"),
-    "make bench-sglang": ("not here", "about 6 minutes of real SGLang servers; bench/sglang.json holds its last run"),
+    "make bench-sglang": ("not here", "about 6 minutes of real SGLang servers; benchmarks/sglang.json holds its last run"),
     **{cmd: ("test", "tests/sglang/served.py", text) for cmd, text in SGLANG.items()},
     **{d: HERE for d in DEMOS + INSPECT + ETCD},
 }
@@ -184,10 +184,10 @@ def test_the_discovery_commands_against_a_real_etcd(etcd, tmp_path):  # noqa: F8
 
 def test_the_front_pages_stay_short():
     """The README is a front page and PERFORMANCE a report: details live in the other docs
-    and the run history in bench/history.jsonl."""
+    and the run history in benchmarks/history.jsonl."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
     assert len((ROOT / "docs" / "PERFORMANCE.md").read_text().splitlines()) <= 150
     import json
 
-    runs = [json.loads(line) for line in (ROOT / "bench" / "history.jsonl").read_text().splitlines()]
+    runs = [json.loads(line) for line in (ROOT / "benchmarks" / "history.jsonl").read_text().splitlines()]
     assert runs and all({"bench", "label", "overhead_p50_ms"} <= r.keys() for r in runs)

@@ -46,7 +46,7 @@ def test_the_wheel_carries_the_license_version_and_extras(dist):
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert {"server", "vllm", "otlp"} <= set(meta.get_all("Provides-Extra"))
     assert "kvsvc/v1/kv_transfer_pb2.py" in names and "kvsvc/integrations/vllm/connector.py" in names
-    assert not [n for n in names if n.startswith(("tests/", "bench/"))]
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))]
     sdist = tarfile.open(next(dist.glob("kvsvc-*.tar.gz")))
     assert any(n.endswith("/LICENSE") for n in sdist.getnames())
 

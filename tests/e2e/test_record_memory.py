@@ -5,13 +5,13 @@ D keeps each finished transfer's outcome (for retries and WaitTransfer) under a 
 bound on an estimate is only as good as the estimate: here real P and D processes move
 1,000-block requests whose leases were released before D's claim (D read, P refused, D
 answers with TransferFailure), and D's RSS growth per kept failed record must not exceed what D
-estimates for it. bench/record_memory.py is the measurement (its figures are in
+estimates for it. benchmarks/record_memory.py is the measurement (its figures are in
 docs/SECURITY.md); successful records are measured beside them and reported.
 """
 
 from __future__ import annotations
 
-from bench.record_memory import main
+from benchmarks.record_memory import main
 
 
 async def test_a_kept_failed_record_costs_no_more_rss_than_d_counts_for_it():

@@ -35,10 +35,10 @@ print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__)
 EOF
 
 if [ -z "${NO_PROBE:-}" ]; then
-step "raw NIXL over VRAM between two processes, by thread (bench/nixl_vram_probe.py)"
-timeout 120 "$PY" bench/nixl_vram_probe.py --mib 256 --runs 5 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"
+step "raw NIXL over VRAM between two processes, by thread (benchmarks/nixl_vram_probe.py)"
+timeout 120 "$PY" benchmarks/nixl_vram_probe.py --mib 256 --runs 5 2>&1 | grep -v "NIXL INFO" | tee "$OUT/probe.txt"
 echo "--- the same on the allocating thread with UCX_TLS=cuda_ipc,cuda_copy,sm,self (no TCP)"
-UCX_TLS=cuda_ipc,cuda_copy,sm,self timeout 60 "$PY" bench/nixl_vram_probe.py --mib 256 --runs 5 --modes main 2>&1 \
+UCX_TLS=cuda_ipc,cuda_copy,sm,self timeout 60 "$PY" benchmarks/nixl_vram_probe.py --mib 256 --runs 5 --modes main 2>&1 \
     | grep -v "NIXL INFO" | tail -30 | tee -a "$OUT/probe.txt"
 fi
 

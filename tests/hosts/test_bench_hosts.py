@@ -11,7 +11,7 @@ import sys
 def test_bench_across_hosts_runs_every_path_over_the_link(tmp_path):
     out = tmp_path / "hosts.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.hosts", "--max-mib", "0.5", "--runs", "2", "--requests", "8",
+        [sys.executable, "-m", "benchmarks.hosts", "--max-mib", "0.5", "--runs", "2", "--requests", "8",
          "--concurrency", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())

@@ -1,7 +1,7 @@
 """Every link between kvsvc's documents resolves: a relative link in README.md, docs/ or
 any other markdown file of the repository names a file or directory that exists (its
 #anchor, if any, aside), and every path in backticks that looks like a repository file
-(`bench/...`, `tests/...`, `docs/...`, `kvsvc/...`) does too."""
+(`benchmarks/...`, `tests/...`, `docs/...`, `kvsvc/...`) does too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {".git", "node_modules", ".venv", ".venv-vllm", ".venv-sglang", "kvsvc.egg-info", ".pytest_cache"}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # Written by a run, not kept in the repository (the document says so where it names them).
-GENERATED = {"bench/chaos.json"}
+GENERATED = {"benchmarks/chaos.json"}
 PATH = re.compile(r"`((?:bench|benchmarks|tests|docs|kvsvc|deploy|examples|clients|protos)/[A-Za-z0-9_./-]+)`")
 
 

@@ -1,6 +1,6 @@
-"""Append one run of `kvsvc bench` (its --json file) to the run history, bench/history.jsonl:
+"""Append one run of `kvsvc bench` (its --json file) to the run history, benchmarks/history.jsonl:
 one JSON object per line with the headline figures, the commit and the date, so runs can be
-compared over time without prose.   python bench/record.py bench/results.json LABEL"""
+compared over time without prose.   python benchmarks/record.py benchmarks/results.json LABEL"""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def summary(results: dict, label: str) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python bench/record.py RESULTS.json LABEL")
+        sys.exit("usage: python benchmarks/record.py RESULTS.json LABEL")
     record = summary(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
     with HISTORY.open("a") as f:
         f.write(json.dumps(record) + "\n")

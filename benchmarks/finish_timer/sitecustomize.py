@@ -1,4 +1,4 @@
-"""Time each connector's request_finished inside a vLLM engine, unmodified (for bench/vllm_load.py).
+"""Time each connector's request_finished inside a vLLM engine, unmodified (for benchmarks/vllm_load.py).
 
 With this directory on PYTHONPATH and KVSVC_BENCH_FINISH_TIMES set to a file, every Python
 process of the engine wraps KvsvcConnector's and NixlConnector's request_finished (and

@@ -1,6 +1,6 @@
 """Side by side: the same SGLang P/D pair with the kvsvc transfer backend and with SGLang's NIXL backend.
 
-    make bench-sglang      (or: .venv-sglang/bin/python -m bench.sglang_pd --json bench/sglang.json)
+    make bench-sglang      (or: .venv-sglang/bin/python -m benchmarks.sglang_pd --json benchmarks/sglang.json)
 
 Each pair is SGLang's own servers (prefill, decode) behind its router, on the same
 random-weight Llama written at start, for each TP shape asked (default P1->D1 and

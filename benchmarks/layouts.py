@@ -1,6 +1,6 @@
 """What a memory order costs: the same request between TP sizes with HND, NHD and mixed blocks.
 
-    .venv/bin/python -m bench.layouts --json bench/layouts.json      (make bench-layouts)
+    .venv/bin/python -m benchmarks.layouts --json benchmarks/layouts.json      (make bench-layouts)
 
 A P server of TP 2 and a D server of TP 1 (and the reverse), real processes, the bench
 model of `kvsvc bench` (8 KV heads of 128, bf16, blocks of 16 tokens, 4 layers). D's rank
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in CASES:
         rows.append(asyncio.run(one_case(*case, args.runs)))
-        print(f"bench.layouts: {case[0]} done", file=sys.stderr, flush=True)
+        print(f"benchmarks.layouts: {case[0]} done", file=sys.stderr, flush=True)
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:

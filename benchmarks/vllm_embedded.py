@@ -1,6 +1,6 @@
 """How fast a vLLM P engine's embedded kvsvc server answers lease calls, idle and busy.
 
-    .venv-vllm/bin/python -m bench.vllm_embedded --json bench/vllm-embedded.json   (part of make bench-vllm)
+    .venv-vllm/bin/python -m benchmarks.vllm_embedded --json benchmarks/vllm-embedded.json   (part of make bench-vllm)
 
 A D engine's transfer ends with a lease call to the P worker's embedded server (claim and
 consume); that server runs on its own thread and event loop inside vLLM's worker process,

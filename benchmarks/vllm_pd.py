@@ -1,6 +1,6 @@
 """Side by side: the same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector.
 
-    make bench-vllm        (or: .venv-vllm/bin/python -m bench.vllm_pd --json bench/vllm.json)
+    make bench-vllm        (or: .venv-vllm/bin/python -m benchmarks.vllm_pd --json benchmarks/vllm.json)
 
 Both pairs are `vllm serve` engines (TP 1 each) on the same random-weight Llama written
 at start, fed the same prompts one request at a time: P prefills (one token, leasing its

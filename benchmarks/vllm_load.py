@@ -1,7 +1,7 @@
 """Under load, side by side: one vLLM P/D pair with KvsvcConnector, with vLLM's NixlConnector,
 and the aggregated engine (no disaggregation), on the same stream of requests.
 
-    make bench-vllm     (or: .venv-vllm/bin/python -m bench.vllm_load --json bench/vllm-load.json --plot ...)
+    make bench-vllm     (or: .venv-vllm/bin/python -m benchmarks.vllm_load --json benchmarks/vllm-load.json --plot ...)
 
 Each configuration starts its engines once (`vllm serve`, TP 1, the same random-weight
 Llama written at start), warms up, then runs the same requests at each concurrency (1, 8
@@ -13,7 +13,7 @@ kv_transfer_params. Measured per configuration and concurrency:
 - P-done to first token: from P's answer to D's first token (the KV load is in it);
 - transfer time: each connector's own histogram in D's /metrics, mean per load;
 - P's scheduler time per finished request (request_finished, p50 and p99), timed inside the
-  engine by bench/finish_timer (no connector code changed): the time vLLM's engine thread
+  engine by benchmarks/finish_timer (no connector code changed): the time vLLM's engine thread
   spends there while every other request of the engine waits;
 - generated tokens per second over the run, failed requests, and how many answers equal the
   aggregated engine's at the same concurrency.
@@ -35,7 +35,7 @@ from typing import Any
 
 import requests
 
-from bench.vllm_pd import CONNECTORS, histogram, stream
+from benchmarks.vllm_pd import CONNECTORS, histogram, stream
 from tests.vllm.engines import side_channel_ports, write_model
 from tests.vllm.served import Served, completion, vllm_serve
 
@@ -89,7 +89,7 @@ def start(config: str, model: Path, logs: Path, finish_times: Path) -> dict[str,
     if config == "aggregated":
         return {"agg": vllm_serve("agg", model, logs, None, extra_args=extra)}
     conf = CONNECTORS[config]
-    timer = {"PYTHONPATH": f"{ROOT / 'bench' / 'finish_timer'}:{ROOT}", "KVSVC_BENCH_FINISH_TIMES": str(finish_times)}
+    timer = {"PYTHONPATH": f"{ROOT / 'benchmarks' / 'finish_timer'}:{ROOT}", "KVSVC_BENCH_FINISH_TIMES": str(finish_times)}
     return {"p": vllm_serve(f"{config}-p", model, logs, conf["p"], extra_args=extra,
                             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_ports(1)), **timer}),
             "d": vllm_serve(f"{config}-d", model, logs, conf["d"], extra_args=extra,

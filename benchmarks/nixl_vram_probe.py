@@ -1,7 +1,7 @@
 """Raw NIXL between two processes over GPU memory, with no kvsvc in the way: which UCX
 transport a READ of VRAM takes, and how fast, depending on the thread that makes the agents.
 
-    python bench/nixl_vram_probe.py [--mib 256] [--runs 5]
+    python benchmarks/nixl_vram_probe.py [--mib 256] [--runs 5]
 
 For each mode a P process registers a VRAM tensor with NIXL and a D process (this one)
 READs all of it into its own, times the READ and checks the bytes:

@@ -1,6 +1,6 @@
 """kvsvc across hosts: `kvsvc bench` with P and D on two simulated hosts (tests/hosts).
 
-    sudo .venv/bin/python -m bench.hosts --json bench/hosts.json      (make bench-hosts; needs root)
+    sudo .venv/bin/python -m benchmarks.hosts --json benchmarks/hosts.json      (make bench-hosts; needs root)
 
 P's server runs on host a, D's on host b, joined by a bridge (veth pairs: a real network
 path through the kernel's TCP stack, with no RDMA and no link latency beyond the kernel's
@@ -64,7 +64,7 @@ async def check_one(p_addr: str, d_addr: str, a: Host, b: Host) -> bool:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     reason = available()
     if reason:
-        raise SystemExit(f"bench.hosts: {reason}")
+        raise SystemExit(f"benchmarks.hosts: {reason}")
     layout = bench_layout(args.layers, NUM_BLOCKS)
     env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
     with hosts(2) as (a, b):

@@ -1,6 +1,6 @@
 """What a finished transfer costs a D server's memory, measured as the process's RSS.
 
-    .venv/bin/python -m bench.record_memory --json bench/record-memory.json
+    .venv/bin/python -m benchmarks.record_memory --json benchmarks/record-memory.json
 
 A D server remembers every finished transfer for a while (WaitTransfer answers it; the
 limits are in docs/SECURITY.md): 100,000 records, 64 MiB or 300 s. What one record costs
