@@ -35,7 +35,7 @@ SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
+.PHONY: soak test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -192,3 +192,9 @@ proto-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache clients/node/node_modules
+
+# A long-uptime soak (benchmarks/soak.py): 250,000 transfers through one D server, its P
+# restarted every 10,000 (killed and stopped in turn); exits non-zero on a wrong byte, an
+# untyped failure or a recovery over 2 s. About 9 minutes here.
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --transfers 250000 --fault-every 10000 --json benchmarks/soak.json
