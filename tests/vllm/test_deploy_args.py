@@ -38,4 +38,4 @@ def test_vllm_and_the_connector_accept_the_engine_command_line(variant, role):
     assert ktc.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     assert ktc.engine_id == POD["POD_NAME"]
     extra = _checked_extra(dict(ktc.kv_connector_extra_config))
-    assert extra["advertise_host"] == POD["POD_IP"] and extra["listen_port"] == 50051
+    assert extra.advertise_host == POD["POD_IP"] and extra.listen_port == 50051

@@ -10,7 +10,8 @@ from kvsvc.integrations.vllm.connector import _checked_extra
 
 def test_known_keys_are_read_as_their_types():
     extra = _checked_extra({"listen_host": "0.0.0.0", "lease_ttl_s": 60, "allowed_peers": ["p"], "copy_threads": 0})
-    assert extra == {"listen_host": "0.0.0.0", "lease_ttl_s": 60.0, "allowed_peers": ("p",), "copy_threads": 0}
+    assert extra.listen_host == "0.0.0.0"
+    assert dict(extra.server) == {"lease_ttl_s": 60.0, "allowed_peers": ("p",), "copy_threads": 0}
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -42,13 +43,13 @@ def test_the_model_identity_is_the_model_not_its_path():
 
     from kvsvc.integrations.vllm.connector import _model_id
 
-    p = _model_id(_vllm_config("/models/llama"), {})
-    assert p == _model_id(_vllm_config("/mnt/weights/llama-copy"), {})  # same weights, another mount
+    p = _model_id(_vllm_config("/models/llama"))
+    assert p == _model_id(_vllm_config("/mnt/weights/llama-copy"))  # same weights, another mount
     assert p.startswith("LlamaForCausalLM@")
-    assert p != _model_id(_vllm_config("/models/llama", layers=3), {})
+    assert p != _model_id(_vllm_config("/models/llama", layers=3))
     assert p != _model_id(_vllm_config("/models/llama", spec=SimpleNamespace(method="eagle",
-                                                                             num_speculative_tokens=3)), {})
-    assert _model_id(_vllm_config("/models/llama"), {"model_id": "llama-3-8b"}) == "llama-3-8b"
+                                                                             num_speculative_tokens=3)))
+    assert _model_id(_vllm_config("/models/llama"), "llama-3-8b") == "llama-3-8b"
 
 
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "prefill_context_parallel_size"])

@@ -67,6 +67,7 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
+from kvsvc.integrations.settings import EngineSettings
 from kvsvc.integrations.sglang import wire
 from kvsvc.integrations.sglang.embedded import SGLangServer
 from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
@@ -74,13 +75,10 @@ from kvsvc.leases.table import LeaseState
 
 log = logging.getLogger("sglang.kvsvc")
 
-# A D transfer that has not settled by then is given up (SGLang's own wait for a transfer,
-# SGLANG_DISAGGREGATION_WAITING_TIMEOUT, is longer by default).
-TRANSFER_TIMEOUT_S = float(os.environ.get("KVSVC_SGLANG_TRANSFER_TIMEOUT_S", "120"))
-# How long P's lease waits for D's claim (0: the kvsvc server's lease_ttl_s).
-LEASE_TTL_MS = int(os.environ.get("KVSVC_SGLANG_LEASE_TTL_MS", "0"))
-# A kvsvc TOML file ([server] keys: TLS, trust, metrics, limits) for the embedded servers.
-CONFIG_ENV = "KVSVC_SGLANG_CONFIG"
+# kvsvc's settings for the backend: KVSVC_SGLANG_<NAME> for each EngineSettings field (e.g.
+# KVSVC_SGLANG_TRANSFER_TIMEOUT_S, KVSVC_SGLANG_LEASE_TTL_MS, KVSVC_SGLANG_CONFIG: a kvsvc
+# TOML whose [server] keys apply to the embedded servers), read when the backend starts.
+SETTINGS_PREFIX = "KVSVC_SGLANG_"
 
 # Requests a P rank keeps track of: a D that names rooms P never serves (or names them after
 # they ended) must not grow it without end; the oldest entries go first.
@@ -207,11 +205,12 @@ class KvsvcKVManager(CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.enable_staging = False
         self._lock = threading.Lock()
+        self.settings = EngineSettings.from_environment(os.environ, SETTINGS_PREFIX)  # strict: refuses a misspelt one
         serving = get_serving()
         name = getattr(serving, "served_model_name", None) or server_args.model_path
         pools = SGLangPools(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, args.page_size,
                             bool(is_mla_backend), _total_kv_heads(args, server_args, bool(is_mla_backend)),
-                            self.attn_tp_size, f"{name}|kv={args.kv_cache_dtype_str}",
+                            self.attn_tp_size, self.settings.model_id or f"{name}|kv={args.kv_cache_dtype_str}",
                             args.gpu_id if str(server_args.device).startswith("cuda") else None,
                             _window_pool(args, server_args))
         self._windowed = pools.swa is not None
@@ -223,8 +222,8 @@ class KvsvcKVManager(CommonKVManager):
         dp = f"-dp{self.attn_dp_rank}" if self.attn_dp_size > 1 else ""
         self.kvsvc = SGLangServer(
             engine_id=f"sglang-{role.value}-{where}:{serving.port}{dp}", role=role, tp_rank=self.attn_tp_rank,
-            tp_size=self.attn_tp_size, description=describe(pools), host=self.local_ip,
-            config_path=os.environ.get(CONFIG_ENV) or None, on_release=self._released if prefill else None)
+            tp_size=self.attn_tp_size, description=describe(pools), host=self.local_ip, settings=self.settings,
+            on_release=self._released if prefill else None)
         self.kvsvc.start()
         if prefill:
             self._secret = _engine_secret(self.attn_tp_size)
@@ -381,7 +380,7 @@ class KvsvcKVManager(CommonKVManager):
             room.leased = True
             infos = list(room.infos.values())
         try:
-            params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), LEASE_TTL_MS)
+            params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), self.settings.lease_ttl_ms)
         except KvsvcError as e:
             with self._lock:
                 room.leased = False
@@ -512,7 +511,7 @@ class KvsvcKVManager(CommonKVManager):
         aux = min(pieces, key=lambda p: p.p_rank).aux
         started = time.perf_counter()
         fut = self.kvsvc.transfer(request_id(room_id), params, self._groups(room.pages, room.window),
-                                  TRANSFER_TIMEOUT_S)
+                                  self.settings.transfer_timeout_s)
         with self._lock:
             room.running = fut
         super().update_status(room_id, KVPoll.Transferring)

@@ -6,14 +6,18 @@ Load it with kv_transfer_config = {"kv_connector": "KvsvcConnector",
 the scheduler (KvsvcScheduler), one in each worker (KvsvcWorker); they talk only
 through the step metadata and the workers' transfer results.
 
-kv_connector_extra_config (all optional): listen_host (default 127.0.0.1), advertise_host,
-listen_port (the embedded servers listen on listen_port + TP rank, so firewalls and
-NetworkPolicies can name them; default 0: any free port), model_id (what P and D must
-agree on; default: the model's architecture and a digest of its config, vLLM version,
-dtypes and speculative decoding, not its path),
-lease_heartbeat_s (D: how often the P leases of requests waiting in D's queue are
-heartbeated, default 5; 0: never), and the embedded servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
-allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file, copy_threads.
+kv_connector_extra_config (all optional; integrations/settings.EngineSettings, strict: an
+unknown key or a value of the wrong type is refused at start): listen_host (default
+127.0.0.1), advertise_host, listen_port (the embedded servers listen on listen_port + TP
+rank, so firewalls and NetworkPolicies can name them; default 0: any free port), model_id
+(what P and D must agree on; default: the model's architecture and a digest of its config,
+vLLM version, dtypes and speculative decoding, not its path), lease_heartbeat_s (D: how
+often the P leases of requests waiting in D's queue are heartbeated, default 5; 0: never),
+transfer_timeout_s (D, default 120), lease_ttl_ms (P: how long a lease waits for D's claim;
+0: lease_ttl_s), config (a kvsvc TOML file for the embedded servers), and the embedded
+servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
+allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file,
+copy_threads (inline; they win over the file's).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,11 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvsvc.client import ClientOptions
-from kvsvc.config import Role, server_settings
-from kvsvc.errors import KvsvcError
+from kvsvc.config import Role
 from kvsvc.integrations.amx import request_amx
+from kvsvc.integrations.settings import EngineSettings
 from kvsvc.integrations.vllm.layout import describe
-from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata
+from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
 from kvsvc.integrations.vllm.stats import KvsvcConnectorStats, KvsvcPromMetrics
 from kvsvc.integrations.vllm.worker import KvsvcWorker, log_under_vllm
@@ -48,52 +53,27 @@ log = logging.getLogger(__name__)
 TESTED_VLLM = "0.32.0"
 
 _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
-# Passed to each worker's embedded server as its [server] settings (README, Config).
-_SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peers", "allowed_engines",
-                "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads")
-_EXTRA_KEYS = frozenset({*_SERVER_KEYS, "listen_host", "advertise_host", "listen_port", "lease_heartbeat_s",
-                         "model_id"})
+WHERE = "kv_connector_extra_config"
 
 
-def _checked_extra(extra: dict[str, Any]) -> dict[str, Any]:
+def _checked_extra(extra: dict[str, Any]) -> EngineSettings:
     """kv_connector_extra_config, refused at start-up when it has a key the connector does not
     take (a misspelt key would otherwise be ignored) or a value of the wrong type."""
-    unknown = sorted(str(k) for k in extra if k not in _EXTRA_KEYS)
-    if unknown:
-        raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; KvsvcConnector takes "
-                         f"{sorted(_EXTRA_KEYS)}")
-    for key in ("listen_host", "advertise_host", "model_id"):
-        if key in extra and not isinstance(extra[key], str):
-            raise ValueError(f"kv_connector_extra_config.{key} must be a string, not {type(extra[key]).__name__}")
-    if "model_id" in extra and not 0 < len(extra["model_id"]) <= 200:
-        raise ValueError("kv_connector_extra_config.model_id must be 1 to 200 characters")
-    port = extra.get("listen_port", 0)
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"kv_connector_extra_config.listen_port must be a port number (0: any free port), "
-                         f"not {port!r}")
-    beat = extra.get("lease_heartbeat_s", 0.0)
-    if isinstance(beat, bool) or not isinstance(beat, int | float) or not 0 <= beat <= 3600:
-        raise ValueError(f"kv_connector_extra_config.lease_heartbeat_s must be a number of seconds from 0 (off) to "
-                         f"3600, not {beat!r}")
-    try:
-        settings = server_settings("kv_connector_extra_config", {k: extra[k] for k in _SERVER_KEYS if k in extra})
-    except KvsvcError as e:
-        raise ValueError(e.message) from None
-    return {**extra, **settings}
+    return EngineSettings.from_mapping(extra, WHERE)
 
 
 # Fields of a model's config that say where it was loaded from or by what, not what it is.
 _NOT_IDENTITY = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash"})
 
 
-def _model_id(vllm_config: Any, extra: dict[str, Any]) -> str:
+def _model_id(vllm_config: Any, model_id: str = "") -> str:
     """What P and D must agree on, checked at every handshake: kv_connector_extra_config's
     model_id when set; otherwise the model's architecture and a digest of what decides its
     KV bytes -- its config (not the path it was loaded from: P and D pods mounting the same
     weights at different paths agree), vLLM's version, the model and KV cache dtypes and
     the speculative-decoding method -- as NixlConnector's compatibility hash covers."""
-    if extra.get("model_id"):
-        return str(extra["model_id"])
+    if model_id:
+        return model_id
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_config", None)
     config = {k: v for k, v in hf.to_dict().items() if k not in _NOT_IDENTITY} if hf is not None else {
@@ -140,7 +120,7 @@ def check_parallelism(parallel_config: Any) -> None:
                              f"{name}=1 (tensor parallelism and decode context parallelism are supported)")
 
 
-def _client_options(extra: dict[str, Any], engine_id: str) -> ClientOptions | None:
+def _client_options(extra: Mapping[str, Any], engine_id: str) -> ClientOptions | None:
     """How the connector dials its engine's own servers: over TLS, as the engine, when they serve TLS."""
     if not extra.get("peer_tls_ca_file"):
         return None
@@ -175,12 +155,12 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvsvcScheduler | None = None
         self._worker: KvsvcWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            ttl = extra.get("lease_ttl_s")
+            ttl = extra.server.get("lease_ttl_s")
             self._scheduler = KvsvcScheduler(
                 engine_id=self._engine_id, tp_size=self._tp_size, dcp_size=self._dcp_size,
                 is_producer=self._kv_role in (Role.PREFILL, Role.BOTH),
-                lease_ttl_ms=int(float(ttl) * 1000) if ttl else 0,
-                lease_heartbeat_s=float(extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)))
+                lease_ttl_ms=extra.lease_ttl_ms or (int(float(ttl) * 1000) if ttl else 0),
+                lease_heartbeat_s=extra.lease_heartbeat_s)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -202,16 +182,16 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank()
-        description = describe(kv_caches, self._kv_cache_config, model_id=_model_id(self._config, self._extra),
+        settings = self._extra
+        description = describe(kv_caches, self._kv_cache_config, model_id=_model_id(self._config, settings.model_id),
                                total_num_kv_heads=self._config.model_config.get_total_num_kv_heads(),
                                dcp_size=self._dcp_size)
-        overrides = {k: self._extra[k] for k in _SERVER_KEYS if k in self._extra}
         self._worker = KvsvcWorker(engine_id=self._engine_id, role=self._kv_role, tp_rank=rank,
-                                   tp_size=self._tp_size, listen_host=self._extra.get("listen_host", "127.0.0.1"),
-                                   advertise_host=self._extra.get("advertise_host"), server_overrides=overrides,
-                                   client_options=_client_options(self._extra, self._engine_id),
-                                   heartbeat_s=float(self._extra.get("lease_heartbeat_s", LEASE_HEARTBEAT_S)),
-                                   listen_port=int(self._extra.get("listen_port", 0)))
+                                   tp_size=self._tp_size, listen_host=settings.listen_host or "127.0.0.1",
+                                   advertise_host=settings.advertise_host or None, server_overrides=dict(settings.server),
+                                   client_options=_client_options(settings.server, self._engine_id),
+                                   heartbeat_s=settings.lease_heartbeat_s, listen_port=settings.listen_port,
+                                   transfer_timeout_s=settings.transfer_timeout_s, config_path=settings.config or None)
         self._worker.start(description)
 
     def get_handshake_metadata(self) -> Any:

@@ -39,7 +39,7 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
 
-TRANSFER_TIMEOUT_S = 120.0
+TRANSFER_TIMEOUT_S = 120.0  # the default of EngineSettings.transfer_timeout_s
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
 # Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
@@ -61,11 +61,14 @@ class KvsvcWorker:
     def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
                  client_options: ClientOptions | None = None, heartbeat_s: float = LEASE_HEARTBEAT_S,
-                 listen_port: int = 0) -> None:
+                 listen_port: int = 0, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+                 config_path: str | None = None) -> None:
         self.engine_id, self.role, self.tp_rank, self.tp_size = engine_id, role, tp_rank, tp_size
         self._listen_host, self._advertise_host = listen_host, advertise_host or listen_host
         self._listen_port = listen_port
         self._overrides = dict(server_overrides or {})
+        self._config_path = config_path  # a kvsvc TOML whose [server] keys apply (overrides win)
+        self._transfer_timeout_s = transfer_timeout_s
         self._options = client_options
         # This rank's server, on its own loop thread: P's leases and their releases, D's
         # transfers as calls on that loop (integrations/embedded.py).
@@ -100,7 +103,7 @@ class KvsvcWorker:
     def start(self, description: CacheDescription) -> ServerInfo:
         log_under_vllm()
         port = self._listen_port + self.tp_rank if self._listen_port else 0  # fixed: base + rank
-        config = load_config(listen=f"{self._listen_host}:{port}", engine_id=self.engine_id, role=self.role,
+        config = load_config(self._config_path, listen=f"{self._listen_host}:{port}", engine_id=self.engine_id, role=self.role,
                              tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
                              **self._overrides)
 
@@ -268,7 +271,7 @@ class KvsvcWorker:
         # No await before transfer_here: a cancel that comes first is found there.
         params = kvparams.from_vllm(recv.params)
         local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
-        return await embedded.transfer_here(req_id, params, local, TRANSFER_TIMEOUT_S)
+        return await embedded.transfer_here(req_id, params, local, self._transfer_timeout_s)
 
     def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
         failed = fut.cancelled() or fut.exception() is not None
