@@ -182,7 +182,8 @@ def region_to_proto(r: Region, base_address: int = 0) -> pb.RegionInfo:
     return pb.RegionInfo(
         region_index=r.index, kind=_KIND[r.kind], group_index=r.group_index, layer_name=r.layer_name,
         pool_offset_bytes=r.pool_offset, base_address=base_address, block_len_bytes=r.block_len,
-        block_stride_bytes=r.block_stride, num_blocks=r.num_blocks,
+        block_stride_bytes=r.block_stride, num_blocks=r.num_blocks, block_shape=list(r.elements),
+        dtype=_DTYPES[r.dtype] if r.dtype is not None else pb.DTYPE_UNSPECIFIED,
     )
 
 

@@ -37,9 +37,11 @@ class AttachedPool:
                                                    writeable=True)
         return self.buffer[start:].as_strided((n, length), (stride, 1))
 
-    def kv(self, region: pb.RegionInfo, layout: pb.KvLayout) -> Any:
-        """A region as the engine sees its cache: see typed_view."""
-        return typed_view(self.buffer, region, layout, self.info.regions)
+    def kv(self, region: pb.RegionInfo, layout: pb.KvLayout | None = None) -> Any:
+        """A region as the engine sees its cache: see typed_view (layout: no longer needed, as
+        the region says its own block shape and type)."""
+        del layout
+        return typed_view(self.buffer, region)
 
     def close(self) -> None:
         """Drop this handle's reference; the mapping goes when no view of it is left."""
@@ -52,8 +54,9 @@ class AttachedPool:
         self.close()
 
 
-def typed_view(buffer: Any, region: pb.RegionInfo, layout: pb.KvLayout, regions: Any) -> Any:
-    """One region of a flat uint8 pool (numpy array or torch tensor), typed and shaped from the layout.
+def typed_view(buffer: Any, region: pb.RegionInfo) -> Any:
+    """One region of a flat uint8 pool (numpy array or torch tensor), typed and shaped as the
+    region says (RegionInfo.block_shape and dtype).
 
     Attention: [num_blocks, heads, tokens, head_size] (HND) or [num_blocks, tokens, heads,
     head_size] (NHD), the last dimension K+V for packed_kv; MLA: [num_blocks, tokens, head_size]; Mamba state: [num_blocks,
@@ -61,7 +64,7 @@ def typed_view(buffer: Any, region: pb.RegionInfo, layout: pb.KvLayout, regions:
     bfloat16). The view has exact strides (the block stride outside, C order inside): it
     aliases the pool, never a copy.
     """
-    shape, dtype = _region_shape(region, layout, regions)
+    shape, dtype = _region_shape(region)
     inner = [1]
     for dim in reversed(shape[1:]):
         inner.insert(0, inner[0] * dim)
@@ -87,34 +90,13 @@ _TORCH_DTYPES: dict[int, str] = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16:
                  pb.DTYPE_FLOAT8_E4M3: "float8_e4m3fn", pb.DTYPE_FLOAT8_E5M2: "float8_e5m2", pb.DTYPE_UINT8: "uint8"}
 
 
-def _layer_spec(layout: pb.KvLayout, region: pb.RegionInfo) -> pb.KvCacheSpec:
-    spec = layout.groups[region.group_index].spec
-    if spec.WhichOneof("kind") == "uniform_type":
-        return next(layer.spec for layer in spec.uniform_type.layers if layer.layer_name == region.layer_name)
-    return spec
-
-
-def _region_shape(region: pb.RegionInfo, layout: pb.KvLayout, all_regions: Any) -> tuple[tuple[int, ...], Any]:
-    """(per-block shape, DType) of a region, from the layout GetInfo returned alongside it."""
-    spec = _layer_spec(layout, region)
-    kind = spec.WhichOneof("kind")
-    tokens = layout.block_size_tokens
-    if kind == "mla_attention":
-        return (tokens, spec.mla_attention.head_size), spec.mla_attention.dtype
-    if kind == "mamba":
-        # A Mamba layer's state regions come in state order; count this one among them.
-        state = sum(1 for r in all_regions if r.layer_name == region.layer_name and r.region_index < region.region_index)
-        st = spec.mamba.states[state]
-        return tuple(st.shape), st.dtype
-    attn = spec.full_attention if kind == "full_attention" else spec.sliding_window
-    head = attn.head_size
-    if region.kind == pb.REGION_KIND_VALUE and kind == "full_attention" and spec.full_attention.head_size_v:
-        head = spec.full_attention.head_size_v
-    if region.kind == pb.REGION_KIND_KV:  # K then V of each token inside each head
-        head += (spec.full_attention.head_size_v or head) if kind == "full_attention" else head
-    heads = attn.num_kv_heads_per_rank
-    hnd = layout.kv_memory_layout == pb.KV_MEMORY_LAYOUT_HND
-    return ((heads, tokens, head) if hnd else (tokens, heads, head)), attn.dtype
+def _region_shape(region: pb.RegionInfo) -> tuple[tuple[int, ...], Any]:
+    """(per-block shape, Dtype) of a region, as the server describes it (the same for every
+    kind of layer: nothing here knows attention from MLA or Mamba)."""
+    if not region.block_shape or region.dtype == pb.DTYPE_UNSPECIFIED:
+        raise ValueError(f"region {region.region_index} has no block_shape or dtype: the server is older than this "
+                         "client (kvsvc 0.x before RegionInfo.block_shape); upgrade it")
+    return tuple(region.block_shape), region.dtype
 
 
 def attach_pool(info: pb.PoolInfo) -> AttachedPool:

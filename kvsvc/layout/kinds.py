@@ -60,6 +60,8 @@ class Part:
     tokens: int = 0
     head_bytes: int = 0
     head_major: bool = True
+    elements: tuple[int, ...] = ()  # a block of it as typed elements (what an engine views it as)
+    dtype: DType | None = None  # ... of this type
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,18 +166,21 @@ class _Attention(KindPolicy[A]):
         hv = spec.value_head_size if isinstance(spec, FullAttentionSpec) else spec.head_size
         k_len = spec.block_size * spec.num_kv_heads * spec.head_size * e
         v_len = spec.block_size * spec.num_kv_heads * hv * e
-        geo = dict(heads=spec.num_kv_heads, tokens=spec.block_size, head_major=memory_order is KvMemoryLayout.HND)
-        key = Part(RegionKind.KEY, 0, k_len, head_bytes=spec.head_size * e, **geo)  # type: ignore[arg-type]
+        hnd = memory_order is KvMemoryLayout.HND
+        heads, tokens = spec.num_kv_heads, spec.block_size
+
+        def part(kind: RegionKind, offset: int, length: int, head: int) -> Part:
+            return Part(kind, offset, length, heads, tokens, head * e, hnd,
+                        (heads, tokens, head) if hnd else (tokens, heads, head), spec.dtype)
+
+        key = part(RegionKind.KEY, 0, k_len, spec.head_size)
         if region_layout is RegionLayout.PACKED_KV:
             # A head's row is K then V of one token: heads stay outermost (HND), so a head
             # slice of a block is still one contiguous run.
-            packed = Part(RegionKind.KV, 0, k_len + v_len, head_bytes=(spec.head_size + hv) * e, **geo)  # type: ignore[arg-type]
-            return [Allocation(k_len + v_len, (packed,))]
+            return [Allocation(k_len + v_len, (part(RegionKind.KV, 0, k_len + v_len, spec.head_size + hv),))]
         if region_layout is RegionLayout.BLOCKS_FIRST:
-            value = Part(RegionKind.VALUE, k_len, v_len, head_bytes=hv * e, **geo)  # type: ignore[arg-type]
-            return [Allocation(k_len + v_len, (key, value))]
-        value = Part(RegionKind.VALUE, 0, v_len, head_bytes=hv * e, **geo)  # type: ignore[arg-type]
-        return [Allocation(k_len, (key,)), Allocation(v_len, (value,))]
+            return [Allocation(k_len + v_len, (key, part(RegionKind.VALUE, k_len, v_len, hv)))]
+        return [Allocation(k_len, (key,)), Allocation(v_len, (part(RegionKind.VALUE, 0, v_len, hv),))]
 
     def check(self, spec: A, where: str, total_num_kv_heads: int,
               tp_size: int | None) -> list[FieldViolation]:
@@ -254,7 +259,8 @@ class MLA(_Attention[MLAAttentionSpec]):
                     region_layout: RegionLayout) -> list[Allocation]:
         length = spec.page_size_bytes()
         latent = Part(RegionKind.LATENT, 0, length, heads=1, tokens=spec.block_size,
-                      head_bytes=spec.head_size * spec.dtype.itemsize)
+                      head_bytes=spec.head_size * spec.dtype.itemsize, elements=(spec.block_size, spec.head_size),
+                      dtype=spec.dtype)
         return [Allocation(length, (latent,))]
 
     def check(self, spec: MLAAttentionSpec, where: str, total_num_kv_heads: int,
@@ -302,7 +308,8 @@ class Mamba(KindPolicy[MambaSpec]):
 
     def allocations(self, spec: MambaSpec, memory_order: KvMemoryLayout,
                     region_layout: RegionLayout) -> list[Allocation]:
-        return [Allocation(length, (Part(RegionKind.SSM_STATE, 0, length),)) for length in spec.state_bytes()]
+        return [Allocation(length, (Part(RegionKind.SSM_STATE, 0, length, elements=tuple(shape), dtype=dtype),))
+                for length, shape, dtype in zip(spec.state_bytes(), spec.shapes, spec.dtypes, strict=True)]
 
     def check(self, spec: MambaSpec, where: str, total_num_kv_heads: int,
               tp_size: int | None) -> list[FieldViolation]:

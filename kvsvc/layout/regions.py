@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.kinds import RegionKind as RegionKind  # re-exported: a Region's kind
 from kvsvc.layout.kinds import policy_of
+from kvsvc.layout.specs import DType
 
 # Allocations start on this boundary so that every region is page-friendly for DMA.
 REGION_ALIGN_BYTES = 4096
@@ -33,6 +34,8 @@ class Region:
     tokens: int = 0
     head_bytes: int = 0
     head_major: bool = True
+    elements: tuple[int, ...] = ()  # a block as typed elements: what an engine views it as
+    dtype: DType | None = None
 
     @property
     def is_ssm(self) -> bool:
@@ -68,6 +71,6 @@ def build_pool_layout(layout: EngineLayout) -> PoolLayout:
                 for part in alloc.parts:
                     regions.append(Region(len(regions), part.kind, gi, name, cursor + part.offset, part.length,
                                           alloc.stride, nb, part.heads, part.tokens, part.head_bytes,
-                                          part.head_major))
+                                          part.head_major, part.elements, part.dtype))
                 cursor = _align(cursor + nb * alloc.stride)
     return PoolLayout(tuple(regions), max(cursor, REGION_ALIGN_BYTES))

@@ -447,7 +447,7 @@ class KvLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_memory_layout: _Optional[_Union[KvMemoryLayout, str]] = ..., region_layout: _Optional[_Union[RegionLayout, str]] = ..., groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ..., dcp_size: _Optional[int] = ...) -> None: ...
 
 class RegionInfo(_message.Message):
-    __slots__ = ("region_index", "kind", "group_index", "layer_name", "pool_offset_bytes", "base_address", "block_len_bytes", "block_stride_bytes", "num_blocks")
+    __slots__ = ("region_index", "kind", "group_index", "layer_name", "pool_offset_bytes", "base_address", "block_len_bytes", "block_stride_bytes", "num_blocks", "block_shape", "dtype")
     REGION_INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +457,8 @@ class RegionInfo(_message.Message):
     BLOCK_LEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     region_index: int
     kind: RegionKind
     group_index: int
@@ -466,7 +468,9 @@ class RegionInfo(_message.Message):
     block_len_bytes: int
     block_stride_bytes: int
     num_blocks: int
-    def __init__(self, region_index: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., group_index: _Optional[int] = ..., layer_name: _Optional[str] = ..., pool_offset_bytes: _Optional[int] = ..., base_address: _Optional[int] = ..., block_len_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: Dtype
+    def __init__(self, region_index: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., group_index: _Optional[int] = ..., layer_name: _Optional[str] = ..., pool_offset_bytes: _Optional[int] = ..., base_address: _Optional[int] = ..., block_len_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("tp_rank", "memory_kind", "shm_name", "size_bytes", "device_id", "regions", "cuda_ipc", "populate_ms")
