@@ -6,22 +6,17 @@ messages with INVALID_ARGUMENT and a field path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
+from google.protobuf.message import Message
 
 from kvsvc.errors import FieldViolation, InvalidArgument
 from kvsvc.layout.engine import EngineLayout, KVCacheGroup, KvMemoryLayout, RegionLayout
+from kvsvc.layout.kinds import BY_WIRE_KIND, policy_of
 from kvsvc.layout.regions import Region, RegionKind
-from kvsvc.layout.specs import (
-    DType,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
+from kvsvc.layout.specs import DType, KVCacheSpec, UniformTypeKVCacheSpecs
 from kvsvc.limits import MAX_DIM, MAX_GROUPS, MAX_LAYERS, MAX_NUM_BLOCKS, MAX_TP_SIZE, check_count, check_id, too_big
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.reasons import Reason
@@ -62,58 +57,83 @@ def _dtype(value: int, field: str) -> DType:
 
 
 def spec_to_proto(spec: KVCacheSpec) -> pb.KvCacheSpec:
+    """A spec's message: a uniform-type group's layers in turn, a leaf as its kind says
+    (layout/kinds.py: the field it travels in and that message's fields)."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return pb.KvCacheSpec(uniform_type=pb.UniformTypeSpecs(
             layers=[pb.LayerSpec(layer_name=n, spec=spec_to_proto(s)) for n, s in spec.layer_specs()]))
-    if isinstance(spec, MLAAttentionSpec):
-        return pb.KvCacheSpec(mla_attention=pb.MlaAttentionSpec(head_size=spec.head_size, dtype=_DTYPES[spec.dtype]))
-    if isinstance(spec, FullAttentionSpec):
-        return pb.KvCacheSpec(full_attention=pb.FullAttentionSpec(
-            num_kv_heads_per_rank=spec.num_kv_heads, head_size=spec.head_size, head_size_v=spec.head_size_v,
-            dtype=_DTYPES[spec.dtype]))
-    if isinstance(spec, SlidingWindowSpec):
-        return pb.KvCacheSpec(sliding_window=pb.SlidingWindowSpec(
-            num_kv_heads_per_rank=spec.num_kv_heads, head_size=spec.head_size, dtype=_DTYPES[spec.dtype],
-            sliding_window_tokens=spec.sliding_window))
-    if isinstance(spec, MambaSpec):
-        return pb.KvCacheSpec(mamba=pb.MambaSpec(states=[
-            pb.MambaStateSpec(shape=list(s), dtype=_DTYPES[d]) for s, d in zip(spec.shapes, spec.dtypes, strict=True)]))
-    raise TypeError(f"no wire form for {type(spec).__name__}")
+    policy = policy_of(spec)
+    kind = pb.KvCacheSpec.DESCRIPTOR.fields_by_name[policy.wire_kind].message_type
+    msg = pb.KvCacheSpec()
+    getattr(msg, policy.wire_kind).CopyFrom(_message(kind, policy.to_wire(spec)))
+    return msg
+
+
+def _message(descriptor: Any, fields: Mapping[str, Any]) -> Message:
+    """A message of descriptor's type from a kind's wire fields (dtype as DType, nested
+    messages as mappings)."""
+    out: dict[str, Any] = {}
+    for name, value in fields.items():
+        fd = descriptor.fields_by_name[name]
+        if name == "dtype":
+            out[name] = _DTYPES[value]
+        elif fd.message_type is not None:
+            out[name] = [_message(fd.message_type, v) for v in value]
+        else:
+            out[name] = value
+    return getattr(pb, descriptor.name)(**out)  # type: ignore[no-any-return]
+
+
+def _fields(msg: Message, field: str) -> dict[str, Any]:
+    """A kind message's fields for its policy's from_wire (the opposite of _message); a
+    message with a dtype always has it, checked (UNSPECIFIED is rejected)."""
+    out: dict[str, Any] = {}
+    for fd, value in msg.ListFields():
+        if fd.message_type is not None:
+            out[fd.name] = [_fields(v, f"{field}.{fd.name}[{i}]") for i, v in enumerate(value)]
+        elif isinstance(value, int | float | str | bytes):
+            out[fd.name] = value
+        else:  # a repeated scalar field
+            out[fd.name] = list(value)
+    if "dtype" in msg.DESCRIPTOR.fields_by_name:
+        out["dtype"] = _dtype(msg.dtype, f"{field}.dtype")  # type: ignore[attr-defined]
+    return out
+
+
+# Limits of a kind's message, whatever the kind: each dimension (a sliding window is a token
+# count, not a dimension), nested messages (Mamba's states) and the dimensions of a shape.
+_NOT_A_DIM = frozenset({"sliding_window_tokens", "dtype"})
+MAX_NESTED = 16
+MAX_SHAPE_DIMS = 8
 
 
 def _check_dims(msg: pb.KvCacheSpec, field: str) -> None:
     kind = msg.WhichOneof("kind")
-    inner = getattr(msg, kind) if kind else None
-    for name in ("num_kv_heads_per_rank", "head_size", "head_size_v", "sliding_window_tokens"):
-        value = getattr(inner, name, 0)
-        if value > MAX_DIM and name != "sliding_window_tokens":
-            raise too_big(f"{field}.{name}", value, MAX_DIM, "")
-    if kind == "mamba":
-        check_count(msg.mamba.states, f"{field}.states", 16)
-        for i, st in enumerate(msg.mamba.states):
-            check_count(st.shape, f"{field}.states[{i}].shape", 8)
-            if any(d > MAX_DIM for d in st.shape):
-                raise too_big(f"{field}.states[{i}].shape", max(st.shape), MAX_DIM, "")
+    if kind and kind != "uniform_type":
+        _check_message_dims(getattr(msg, kind), field)
+
+
+def _check_message_dims(msg: Message, field: str) -> None:
+    for fd, value in msg.ListFields():
+        name = f"{field}.{fd.name}"
+        if fd.message_type is not None:
+            check_count(value, name, MAX_NESTED)
+            for i, inner in enumerate(value):
+                _check_message_dims(inner, f"{name}[{i}]")
+        elif fd.name in _NOT_A_DIM:
+            continue
+        elif isinstance(value, int):
+            if value > MAX_DIM:
+                raise too_big(name, value, MAX_DIM, "")
+        else:  # a shape
+            check_count(value, name, MAX_SHAPE_DIMS)
+            if any(d > MAX_DIM for d in value):
+                raise too_big(name, max(value), MAX_DIM, "")
 
 
 def spec_from_proto(msg: pb.KvCacheSpec, block_size: int, field: str) -> KVCacheSpec:
     _check_dims(msg, field)
     kind = msg.WhichOneof("kind")
-    if kind == "full_attention":
-        m = msg.full_attention
-        return FullAttentionSpec(block_size, m.num_kv_heads_per_rank, m.head_size, _dtype(m.dtype, field + ".dtype"),
-                                 m.head_size_v)
-    if kind == "sliding_window":
-        s = msg.sliding_window
-        return SlidingWindowSpec(block_size, s.num_kv_heads_per_rank, s.head_size, _dtype(s.dtype, field + ".dtype"),
-                                 s.sliding_window_tokens)
-    if kind == "mla_attention":
-        a = msg.mla_attention
-        return MLAAttentionSpec(block_size, 1, a.head_size, _dtype(a.dtype, field + ".dtype"))
-    if kind == "mamba":
-        states = msg.mamba.states
-        return MambaSpec(block_size, tuple(tuple(s.shape) for s in states),
-                         tuple(_dtype(s.dtype, f"{field}.states[{i}].dtype") for i, s in enumerate(states)))
     if kind == "uniform_type":
         inner = []
         for i, layer in enumerate(msg.uniform_type.layers):
@@ -121,7 +141,10 @@ def spec_from_proto(msg: pb.KvCacheSpec, block_size: int, field: str) -> KVCache
                 raise bad_field(f"{field}.layers[{i}]", "a uniform-type spec cannot nest another", Reason.NESTED_UNIFORM_GROUP)
             inner.append((layer.layer_name, spec_from_proto(layer.spec, block_size, f"{field}.layers[{i}].spec")))
         return UniformTypeKVCacheSpecs(block_size, tuple(inner))
-    raise bad_field(field, "spec kind must be set", Reason.MISSING_FIELD)
+    policy = BY_WIRE_KIND.get(kind or "")
+    if policy is None:
+        raise bad_field(field, "spec kind must be set", Reason.MISSING_FIELD)
+    return policy.from_wire(_fields(getattr(msg, kind), field), block_size)
 
 
 # ---- layout --------------------------------------------------------------------------

@@ -127,6 +127,10 @@ class KindPolicy(Generic[S]):
     spec_type: ClassVar[type[KVCacheSpec]]
     family: ClassVar[SpecFamily]
     table_kind: ClassVar[str]  # its `kind` in a layout table (TOML, the demo)
+    # Its wire form: the KvCacheSpec field it travels in, and (to_wire / from_wire) that
+    # message's fields as a mapping (dtypes as DType; codec.py makes the message of it, so
+    # this layer stays free of protobuf).
+    wire_kind: ClassVar[str]
     table_keys: ClassVar[frozenset[str]]  # the keys its table may have
     # Its block list follows the request's tokens, a block per block_size of them: cut to
     # the request's length, and it must cover it. Not so for a sliding-window group (which
@@ -136,6 +140,13 @@ class KindPolicy(Generic[S]):
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
         """The spec of a layer from its table (keys already checked; heads: per rank)."""
+        raise NotImplementedError
+
+    def to_wire(self, spec: S) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def from_wire(self, fields: Mapping[str, Any], block: int) -> KVCacheSpec:
+        """A spec from its wire fields (a field left out is 0; dtype, always there, a DType)."""
         raise NotImplementedError
 
     def allocations(self, spec: S, memory_order: KvMemoryLayout, region_layout: RegionLayout) -> list[Allocation]:
@@ -224,6 +235,16 @@ class FullAttention(_Attention[FullAttentionSpec]):
         return FullAttentionSpec(block, heads, table_int(d, "head_size", 64, where), dtype,
                                  table_int(d, "head_size_v", 0, where))
 
+    wire_kind = "full_attention"
+
+    def to_wire(self, spec: FullAttentionSpec) -> dict[str, Any]:
+        return {"num_kv_heads_per_rank": spec.num_kv_heads, "head_size": spec.head_size,
+                "head_size_v": spec.head_size_v, "dtype": spec.dtype}
+
+    def from_wire(self, fields: Mapping[str, Any], block: int) -> KVCacheSpec:
+        return FullAttentionSpec(block, fields.get("num_kv_heads_per_rank", 0), fields.get("head_size", 0),
+                                 fields["dtype"], fields.get("head_size_v", 0))
+
     def hash_item(self, spec: FullAttentionSpec) -> dict[str, object]:
         return {**super().hash_item(spec), "head_size_v": spec.value_head_size}
 
@@ -238,6 +259,16 @@ class SlidingWindow(_Attention[SlidingWindowSpec]):
                    where: str) -> KVCacheSpec:
         return SlidingWindowSpec(block, heads, table_int(d, "head_size", 64, where), dtype,
                                  table_int(d, "sliding_window", 128, where))
+
+    wire_kind = "sliding_window"
+
+    def to_wire(self, spec: SlidingWindowSpec) -> dict[str, Any]:
+        return {"num_kv_heads_per_rank": spec.num_kv_heads, "head_size": spec.head_size, "dtype": spec.dtype,
+                "sliding_window_tokens": spec.sliding_window}
+
+    def from_wire(self, fields: Mapping[str, Any], block: int) -> KVCacheSpec:
+        return SlidingWindowSpec(block, fields.get("num_kv_heads_per_rank", 0), fields.get("head_size", 0),
+                                 fields["dtype"], fields.get("sliding_window_tokens", 0))
 
     def hash_item(self, spec: SlidingWindowSpec) -> dict[str, object]:
         return {**super().hash_item(spec), "window": spec.sliding_window}
@@ -254,6 +285,14 @@ class MLA(_Attention[MLAAttentionSpec]):
     def from_table(self, d: Mapping[str, Any], *, heads: int, tp_size: int, block: int, dtype: DType,
                    where: str) -> KVCacheSpec:
         return MLAAttentionSpec(block, 1, table_int(d, "head_size", 576, where), dtype)
+
+    wire_kind = "mla_attention"
+
+    def to_wire(self, spec: MLAAttentionSpec) -> dict[str, Any]:
+        return {"head_size": spec.head_size, "dtype": spec.dtype}
+
+    def from_wire(self, fields: Mapping[str, Any], block: int) -> KVCacheSpec:
+        return MLAAttentionSpec(block, 1, fields.get("head_size", 0), fields["dtype"])
 
     def allocations(self, spec: MLAAttentionSpec, memory_order: KvMemoryLayout,
                     region_layout: RegionLayout) -> list[Allocation]:
@@ -306,6 +345,16 @@ class Mamba(KindPolicy[MambaSpec]):
         dtypes = tuple(DType.parse(st["dtype"]) if "dtype" in st else dtype for st in states)
         return MambaSpec(block, tuple(shapes), dtypes)
 
+    wire_kind = "mamba"
+
+    def to_wire(self, spec: MambaSpec) -> dict[str, Any]:
+        return {"states": [{"shape": list(s), "dtype": d} for s, d in zip(spec.shapes, spec.dtypes, strict=True)]}
+
+    def from_wire(self, fields: Mapping[str, Any], block: int) -> KVCacheSpec:
+        states = fields.get("states", [])
+        return MambaSpec(block, tuple(tuple(st.get("shape", ())) for st in states),
+                         tuple(st["dtype"] for st in states))
+
     def allocations(self, spec: MambaSpec, memory_order: KvMemoryLayout,
                     region_layout: RegionLayout) -> list[Allocation]:
         return [Allocation(length, (Part(RegionKind.SSM_STATE, 0, length, elements=tuple(shape), dtype=dtype),))
@@ -337,6 +386,7 @@ class Mamba(KindPolicy[MambaSpec]):
 KINDS: tuple[KindPolicy[Any], ...] = (FullAttention(), SlidingWindow(), MLA(), Mamba())
 _BY_TYPE = {p.spec_type: p for p in KINDS}
 BY_TABLE_KIND = {p.table_kind: p for p in KINDS}
+BY_WIRE_KIND = {p.wire_kind: p for p in KINDS}
 
 
 def policy_of(spec: KVCacheSpec | type[KVCacheSpec]) -> KindPolicy[Any]:

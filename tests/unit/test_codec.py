@@ -64,3 +64,31 @@ def test_layout_sizes_are_bounded_before_anything_is_built():
         with pytest.raises(InvalidArgument) as e:
             layout_from_proto(msg, "layout", 1)
         assert (e.value.reason, e.value.metadata["field"]) == ("FIELD_TOO_LARGE", field)
+
+
+@pytest.mark.parametrize("spec, field", [
+    (pb.KvCacheSpec(full_attention=pb.FullAttentionSpec(head_size=70_000, num_kv_heads_per_rank=1,
+                                                        dtype=pb.DTYPE_FLOAT16)), "g.head_size"),
+    (pb.KvCacheSpec(mla_attention=pb.MlaAttentionSpec(head_size=1 << 20, dtype=pb.DTYPE_FLOAT16)), "g.head_size"),
+    (pb.KvCacheSpec(mamba=pb.MambaSpec(states=[pb.MambaStateSpec(shape=[2], dtype=pb.DTYPE_FLOAT16)] * 17)),
+     "g.states"),
+    (pb.KvCacheSpec(mamba=pb.MambaSpec(states=[pb.MambaStateSpec(shape=[2] * 9, dtype=pb.DTYPE_FLOAT16)])),
+     "g.states[0].shape"),
+    (pb.KvCacheSpec(mamba=pb.MambaSpec(states=[pb.MambaStateSpec(shape=[2, 70_000], dtype=pb.DTYPE_FLOAT16)])),
+     "g.states[0].shape"),
+])
+def test_a_kind_message_past_its_limits_is_refused_naming_the_field(spec, field):
+    """The limits hold for every kind's message (the codec checks them without knowing kinds)."""
+    from kvsvc.codec import spec_from_proto
+
+    with pytest.raises(InvalidArgument) as e:
+        spec_from_proto(spec, 16, "g")
+    assert (e.value.reason, e.value.metadata["field"]) == ("FIELD_TOO_LARGE", field), e.value
+
+
+def test_a_sliding_window_longer_than_a_dimension_is_not_a_dimension():
+    from kvsvc.codec import spec_from_proto
+
+    spec = spec_from_proto(pb.KvCacheSpec(sliding_window=pb.SlidingWindowSpec(
+        num_kv_heads_per_rank=1, head_size=8, dtype=pb.DTYPE_FLOAT16, sliding_window_tokens=1 << 20)), 16, "g")
+    assert spec.sliding_window == 1 << 20
