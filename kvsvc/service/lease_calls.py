@@ -112,6 +112,12 @@ class LaterAnswers:
     async def _run(self, later: Later) -> None:
         self._send(await later)
 
+    async def drain(self) -> None:
+        """Until every waiting claim was answered (a client that half-closed its side still
+        hears them: grpcurl sends its calls, closes, and reads)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     def cancel(self) -> None:
         """The stream ended: its waiting claims stop waiting (nobody is there to answer)."""
         for task in list(self._tasks):

@@ -216,8 +216,12 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
                     while out.qsize() >= MAX_UNSENT_ANSWERS:  # a D that does not read its answers
                         taken.clear()                         # is not read from either
                         await taken.wait()
-            finally:
+            except Exception as e:  # the call broke under the read (the client went): nobody to answer
+                log.debug("LeaseChannel read ended: %s", e)
                 out.put_nowait(None)
+                return
+            await later.drain()  # the client closed its side: its waiting claims are still answered
+            out.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read(), name="kvsvc LeaseChannel read")
         try:

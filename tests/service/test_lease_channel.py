@@ -338,3 +338,30 @@ async def test_a_claim_that_waits_is_answered_when_the_lease_is_made_on_either_p
             assert e.value.reason == "FIELD_TOO_LARGE" and e.value.metadata["field"] == "wait_ms"
     finally:
         await lane.close()
+
+
+async def test_a_client_that_closes_its_side_still_hears_its_waiting_claim(prefill):
+    """grpcurl and other one-shot clients send their calls, close their side, then read: a claim
+    still waiting for its lease at that moment is answered, not dropped with the stream."""
+    server, client = prefill
+    token = "h" * 32
+    future = pb.PublishBlocksResponse(params=pb.TransferParams(
+        remote_request_id="half", remote_epoch=server.node.epoch, lease_token=token))
+    arrivals, waiting = server.node.leases.arrivals, asyncio.Event()
+    real_wait = arrivals.wait
+
+    async def wait(*args):
+        waiting.set()
+        return await real_wait(*args)
+
+    arrivals.wait = wait
+    call = client.channel.stream_stream(METHOD, request_serializer=pb.LeaseChannelRequest.SerializeToString,
+                                        response_deserializer=pb.LeaseChannelResponse.FromString)()
+    await call.write(pb.LeaseChannelRequest(calls=[pb.LeaseCall(call_id=7, claim=claim(future, "k" * 16,
+                                                                                         wait_ms=30_000))]))
+    await call.done_writing()
+    await asyncio.wait_for(waiting.wait(), 30)  # the claim reached P and waits there
+    await prefill_role.publish(server.node, pb.PublishBlocksRequest(
+        request_id="half", lease_token=token, block_ids_per_group=[pb.BlockIds(block_ids=[3])]), server.siblings)
+    answers = [a async for resp in call for a in resp.answers]
+    assert [(a.call_id, a.claim.state) for a in answers] == [(7, pb.LEASE_STATE_CLAIMED)]
