@@ -217,7 +217,8 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
                 if not lease_not_yet_made(e):
                     raise
                 if time.monotonic() + pause + PENDING_WAIT_MARGIN_S > give_up_at:
-                    leg.claim = ClaimState.NOT_MADE
+                    if p.lease_pending:  # given up on; without lease_pending it is long gone
+                        leg.claim = ClaimState.NOT_MADE
                     raise
             leg.claim = ClaimState.REFUSED
             await asyncio.sleep(pause)

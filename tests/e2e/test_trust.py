@@ -19,14 +19,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient, ClientOptions
+from kvsvc.client.errors import error_from_status
 from kvsvc.client.leases import abort_published
 from kvsvc.codec import layout_to_proto
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.layout import layout_from_dict
+from kvsvc.service.transfer_run import ABORT_TIMEOUT_S
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import Engine, ReleaseWatch, layout_table, servers, session
 from tests.e2e.stamps import holds, stamp
@@ -245,27 +248,47 @@ async def test_a_request_id_alone_grants_nothing():
 
 
 @pytest.mark.parametrize("timeout_s", [0.5, 1.0, 1.5])
-async def test_a_stalled_prefill_still_gets_a_typed_answer_within_the_deadline(timeout_s):
+async def test_a_stalled_prefill_still_gets_a_typed_answer_by_its_deadline(timeout_s):
     """Round three, 13: with P stopped (SIGSTOP) after publishing, D's READs end (the bytes
     are there) but P never answers the claim; deadlines under ~2 s got a bare
-    DEADLINE_EXCEEDED from gRPC, with no word on whether the blocks were settled. Now the
-    answer comes first: typed, with a TransferFailure (remote_notified false)."""
+    DEADLINE_EXCEEDED from gRPC, with no word on whether the blocks were settled. Now D
+    answers by the transfer's own deadline, on its own: typed, with a TransferFailure
+    (remote_notified false), while P still sleeps.
+
+    The transfer goes on a TransferStream with its deadline in the call (timeout_ms), and the
+    answer is read with room to spare: what is checked is that D answers without P, not a
+    race between D's answer and a caller's clock on the same deadline (a busy machine
+    stalled D past the 165 ms it keeps at a 1 s deadline once in a run)."""
     with servers(1, 1, SMALL) as (p, d):
         async with session(p, d) as s:
             s.pe.fill([[1]])
             warm = await s.pc.publish_blocks("warm", [[1]])
             await s.dc.transfer("d-warm", warm.params, [[2]])  # paired: no handshake later
             pub = await s.pc.publish_blocks("stalled", [[1]])
+            stream = s.dc.channel.stream_stream(
+                "/kvsvc.v1.KvTransferService/TransferStream",
+                request_serializer=pb.TransferStreamRequest.SerializeToString,
+                response_deserializer=pb.TransferStreamResponse.FromString)()
             os.kill(p.proc.pid, signal.SIGSTOP)
             try:
-                with pytest.raises(KvsvcError) as e:
-                    await s.dc.transfer("d-stalled", pub.params, [[3]], timeout_s=timeout_s)
-                failure = [x for x in e.value.details if isinstance(x, pb.TransferFailure)]
-                assert failure and not failure[0].remote_notified, (e.value.code, e.value.reason, e.value.message)
+                req = pb.TransferRequest(request_id="d-stalled", params=pub.params,
+                                         local_block_ids_per_group=[pb.BlockIds(block_ids=[3])])
+                await stream.write(pb.TransferStreamRequest(transfers=[pb.TransferCall(
+                    request=req, timeout_ms=int(timeout_s * 1000))]))
+                # P never answers: D must, on its own. Waiting for P's answer to its abort (the
+                # old way) took ABORT_TIMEOUT_S past the deadline; half of that is a bound no
+                # scheduling delay comes near, and D's answer is due a fifth before the deadline.
+                resp = await asyncio.wait_for(stream.read(), timeout_s + ABORT_TIMEOUT_S / 2)
+                (answer,) = resp.answers
+                assert answer.WhichOneof("result") == "error_status", answer
+                error = error_from_status(status_pb2.Status.FromString(answer.error_status))
+                failure = [x for x in error.details if isinstance(x, pb.TransferFailure)]
+                assert failure and not failure[0].remote_notified, (error.code, error.reason, error.message)
                 state = await s.dc.wait_transfer("d-stalled", wait_ms=0)
                 assert state.state == pb.TRANSFER_STATE_FAILED
             finally:
                 os.kill(p.proc.pid, signal.SIGCONT)
+                stream.cancel()
             # P, awake again, hears the abort D kept sending in the background, or expires it.
             for _ in range(50):
                 if (await s.pc.get_info()).live_leases == 0:
