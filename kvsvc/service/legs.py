@@ -180,6 +180,15 @@ class Ownership:
                                 lease_token=p.lease_token, claim_id=self.claim_id)
 
 
+def _claim_request(leg: Leg, own: Ownership, consumed: bool) -> pb.ClaimLeaseRequest:
+    p = own.params
+    return pb.ClaimLeaseRequest(
+        request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
+        tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
+        dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest,
+        lease_serial=_lease_serial(p, leg.peer.address))
+
+
 async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed: bool = False) -> None:
     """Claim at every P server at once; raise if any claim did not hold (ClaimRefused when
     every server that answered said no, so there is nothing of ours to abort).
@@ -189,11 +198,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
     """
     async def claim(leg: Leg) -> None:
         p = own.params
-        req = pb.ClaimLeaseRequest(
-            request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
-            tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
-            dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest,
-            lease_serial=_lease_serial(p, leg.peer.address))
+        req = _claim_request(leg, own, consumed)
         first_try = time.monotonic()
         deadline = first_try + timeout_s  # one for every try: waiting for a lease adds no time
         give_up_at = first_try + (min(timeout_s, PENDING_LEASE_WAIT_S) if p.lease_pending else 0.0)
