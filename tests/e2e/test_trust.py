@@ -31,8 +31,9 @@ from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcEr
 from kvsvc.layout import layout_from_dict
 from kvsvc.service.transfer_run import ABORT_TIMEOUT_S
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, ReleaseWatch, layout_table, servers, session
+from tests.e2e.harness import Engine, ReleaseWatch, in_process_pair, layout_table, servers, session
 from tests.e2e.stamps import holds, stamp
+from tests.e2e.test_read_then_claim import engines
 
 SMALL = layout_table(k=4, nb=64)
 # 1 MiB blocks (8 layers x K and V x 64 KiB): a 64-block request takes tens of ms to read here.
@@ -249,52 +250,51 @@ async def test_a_request_id_alone_grants_nothing():
 
 @pytest.mark.parametrize("timeout_s", [0.5, 1.0, 1.5])
 async def test_a_stalled_prefill_still_gets_a_typed_answer_by_its_deadline(timeout_s):
-    """Round three, 13: with P stopped (SIGSTOP) after publishing, D's READs end (the bytes
-    are there) but P never answers the claim; deadlines under ~2 s got a bare
-    DEADLINE_EXCEEDED from gRPC, with no word on whether the blocks were settled. Now D
-    answers by the transfer's own deadline, on its own: typed, with a TransferFailure
-    (remote_notified false), while P still sleeps.
+    """Round three, 13: P's server stalls after publishing -- its memory still there to be
+    read, but it answers no lease call -- so D's READs end but P never answers the claim;
+    deadlines under ~2 s got a bare DEADLINE_EXCEEDED from gRPC, with no word on whether the
+    blocks were settled. Now D answers by the transfer's own deadline, on its own: typed,
+    with a TransferFailure (remote_notified false).
 
-    The transfer goes on a TransferStream with its deadline in the call (timeout_ms), and the
-    answer is read with room to spare: what is checked is that D answers without P, not a
-    race between D's answer and a caller's clock on the same deadline (a busy machine
-    stalled D past the 165 ms it keeps at a 1 s deadline once in a run)."""
-    with servers(1, 1, SMALL) as (p, d):
-        async with session(p, d) as s:
-            s.pe.fill([[1]])
-            warm = await s.pc.publish_blocks("warm", [[1]])
-            await s.dc.transfer("d-warm", warm.params, [[2]])  # paired: no handshake later
-            pub = await s.pc.publish_blocks("stalled", [[1]])
-            stream = s.dc.channel.stream_stream(
-                "/kvsvc.v1.KvTransferService/TransferStream",
-                request_serializer=pb.TransferStreamRequest.SerializeToString,
-                response_deserializer=pb.TransferStreamResponse.FromString)()
-            os.kill(p.proc.pid, signal.SIGSTOP)
-            try:
-                req = pb.TransferRequest(request_id="d-stalled", params=pub.params,
-                                         local_block_ids_per_group=[pb.BlockIds(block_ids=[3])])
-                await stream.write(pb.TransferStreamRequest(transfers=[pb.TransferCall(
-                    request=req, timeout_ms=int(timeout_s * 1000))]))
-                # P never answers: D must, on its own. Waiting for P's answer to its abort (the
-                # old way) took ABORT_TIMEOUT_S past the deadline; half of that is a bound no
-                # scheduling delay comes near, and D's answer is due a fifth before the deadline.
-                resp = await asyncio.wait_for(stream.read(), timeout_s + ABORT_TIMEOUT_S / 2)
-                (answer,) = resp.answers
-                assert answer.WhichOneof("result") == "error_status", answer
-                error = error_from_status(status_pb2.Status.FromString(answer.error_status))
-                failure = [x for x in error.details if isinstance(x, pb.TransferFailure)]
-                assert failure and not failure[0].remote_notified, (error.code, error.reason, error.message)
-                state = await s.dc.wait_transfer("d-stalled", wait_ms=0)
-                assert state.state == pb.TRANSFER_STATE_FAILED
-            finally:
-                os.kill(p.proc.pid, signal.SIGCONT)
-                stream.cancel()
-            # P, awake again, hears the abort D kept sending in the background, or expires it.
-            for _ in range(50):
-                if (await s.pc.get_info()).live_leases == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert (await s.pc.get_info()).live_leases == 0
+    P is stalled in process (its lease calls are taken and never answered): stopping the
+    whole process (SIGSTOP), as this test once did, now and then also stalled the READ itself
+    (UCX waited on P), and D then rightly held its answer until the READ ended. The transfer
+    goes on a TransferStream with its deadline in the call (timeout_ms), and the answer is
+    read with room to spare: what is checked is that D answers without P, not a race
+    between D's answer and a caller's clock on the same deadline."""
+    async with in_process_pair("stall") as (p, d), engines(p, d) as (pc, dc, _pe, _de):
+        pub = await pc.publish_blocks("stalled", [[1]])
+        never = asyncio.Event()
+
+        async def unanswered() -> pb.LeaseAnswer:
+            await never.wait()
+            raise AssertionError("a stalled P answered")
+
+        answers = p.servicer.lease_answers
+        answers.answer = lambda call, names: unanswered()  # every lease call taken, none answered
+        stream = dc.channel.stream_stream(
+            "/kvsvc.v1.KvTransferService/TransferStream", request_serializer=pb.TransferStreamRequest.SerializeToString,
+            response_deserializer=pb.TransferStreamResponse.FromString)()
+        try:
+            req = pb.TransferRequest(request_id="d-stalled", params=pub.params,
+                                     local_block_ids_per_group=[pb.BlockIds(block_ids=[3])])
+            await stream.write(pb.TransferStreamRequest(transfers=[pb.TransferCall(
+                request=req, timeout_ms=int(timeout_s * 1000))]))
+            # P never answers: D must, on its own. Waiting for P's answer to its abort (the old
+            # way) took ABORT_TIMEOUT_S past the deadline; half of that is a bound no
+            # scheduling delay comes near, and D's answer is due a fifth before the deadline.
+            resp = await asyncio.wait_for(stream.read(), timeout_s + ABORT_TIMEOUT_S / 2)
+            (answer,) = resp.answers
+            assert answer.WhichOneof("result") == "error_status", answer
+            error = error_from_status(status_pb2.Status.FromString(answer.error_status))
+            failure = [x for x in error.details if isinstance(x, pb.TransferFailure)]
+            assert failure and not failure[0].remote_notified, (error.code, error.reason, error.message)
+            assert (await dc.wait_transfer("d-stalled", wait_ms=0)).state == pb.TRANSFER_STATE_FAILED
+        finally:
+            stream.cancel()
+            del answers.answer  # P answers again
+        # P, awake again, frees the lease when told (D's abort was never answered).
+        assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_STATE_ABORTED"}
 
 
 async def _fds_settle(pid: int, want: int, timeout_s: float = 5.0) -> int:
