@@ -56,6 +56,9 @@ class ServerConfig:
     """The TP ranks this server hosts (one NIXL agent each)."""
     layout_table: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_LAYOUT))
     """Model-level layout description (see README, Config); per-rank layout derived."""
+    engine_layout: EngineLayout | None = None
+    """This rank's layout as an engine integration built it (integrations/description.py);
+    when set, layout_table is not read. Never from a config file."""
     memory: MemoryMode = MemoryMode.DRAM
     """Where the KV pools live."""
     cuda_device: int = 0
@@ -145,6 +148,9 @@ class ServerConfig:
         return self.cuda_devices[i] if self.cuda_devices else self.cuda_device + i
 
     def layout(self) -> EngineLayout:
+        if self.engine_layout is not None:
+            self.engine_layout.validate(self.tp_size)
+            return self.engine_layout
         return layout_from_dict(self.layout_table, self.tp_size)
 
     def validate(self) -> None:
@@ -184,7 +190,7 @@ class ServerConfig:
 
 # The [server] keys a config file may set: the ServerConfig fields except the layout,
 # each read as its field's type says (no list of keys per type to keep in step).
-_SERVER_KEYS = frozenset(f for f in ServerConfig.__dataclass_fields__ if f != "layout_table")
+_SERVER_KEYS = frozenset(f for f in ServerConfig.__dataclass_fields__ if f not in ("layout_table", "engine_layout"))
 _FIELD_TYPES: dict[str, Any] = typing.get_type_hints(ServerConfig)
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvsvc.config import Role, ServerConfig
 from kvsvc.errors import KvsvcError
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.leases.table import Lease, LeaseState
 from kvsvc.service.in_process import InProcessLeases, InProcessTransfers, ReleaseCallback
@@ -36,18 +38,19 @@ def host_port(host: str, port: int) -> str:
 
 
 class EmbeddedServer:
-    """config: the server's (one rank: config.ranks); buffers: the engine's KV memory, one
-    buffer per region in region order; advertise_host: where peers reach it. on_release
+    """config: the server's (one rank: config.ranks; its layout is the description's);
+    description: this rank's layout and the engine's KV memory, one buffer per region in
+    region order; advertise_host: where peers reach it. on_release
     (P): every lease this server releases, once, on the loop; waiting_for (P, on the loop):
     the request ids the engine waits on, looked up after a gap in the release stream."""
 
-    def __init__(self, config: ServerConfig, buffers: Sequence[Any], *, advertise_host: str,
+    def __init__(self, config: ServerConfig, description: CacheDescription, *, advertise_host: str,
                  on_release: ReleaseCallback | None = None, waiting_for: Callable[[], Iterable[str]] = tuple,
                  log: logging.Logger | None = None, name: str = "") -> None:
         assert len(config.ranks) == 1, "an embedded server serves one rank"
-        self.config = config
+        self.config = dataclasses.replace(config, engine_layout=description.layout)
         self.tp_rank = config.ranks[0]
-        self._buffers = buffers
+        self.description = description
         self._advertise_host = advertise_host
         self._on_release = on_release
         self._waiting_for = waiting_for
@@ -66,7 +69,7 @@ class EmbeddedServer:
     def start(self) -> None:
         """Boot the server on the loop (raises what create_server raised)."""
         async def boot() -> None:
-            server, port = await create_server(self.config, external_pools={self.tp_rank: self._buffers})
+            server, port = await create_server(self.config, external_pools={self.tp_rank: self.description.buffers})
             self._server = server
             self.address, self.epoch = host_port(self._advertise_host, port), server.node.epoch
             if self.config.role in (Role.PREFILL, Role.BOTH):  # hears releases before any lease exists

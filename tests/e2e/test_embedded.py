@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvsvc.config import Role, load_config
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.embedded import EmbeddedServer
 from kvsvc.layout import layout_from_dict
 from kvsvc.layout.regions import build_pool_layout
@@ -52,7 +53,7 @@ def pair():
     for role, bufs in ((Role.PREFILL, p_bufs), (Role.DECODE, d_bufs)):
         config = load_config(listen="127.0.0.1:0", engine_id=f"embedded-{role.value}", role=role, tp_size=1,
                              ranks=[0], layout_table=TABLE)
-        servers.append(EmbeddedServer(config, bufs, advertise_host="127.0.0.1",
+        servers.append(EmbeddedServer(config, CacheDescription(config.layout(), bufs), advertise_host="127.0.0.1",
                                       on_release=releases if role is Role.PREFILL else None))
     p, d = servers
     p.start()

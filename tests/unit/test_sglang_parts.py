@@ -31,7 +31,8 @@ def mha(layers: int = 3, pages: int = 9, page: int = 1, heads: int = 2, head_dim
 def test_an_mha_pool_is_split_kv_layer_by_layer_over_sglangs_own_memory():
     pools, bufs = mha()
     d = describe(pools)
-    layout = layout_from_dict(d.table, 2)
+    layout = d.layout
+    layout.validate(2)
     regions = build_pool_layout(layout).regions
     assert [r.kind for r in regions] == [RegionKind.KEY, RegionKind.VALUE] * 3
     assert layout.num_blocks == 9 and layout.block_size == 1
@@ -54,7 +55,8 @@ def test_a_sliding_window_pool_is_a_second_group_with_its_own_page_count():
                                                             [b.nbytes for b in swa_bufs],
                                                             [b.shape[1] for b in swa_bufs], 32))
     d = describe(pools)
-    layout = layout_from_dict(d.table, 2)
+    layout = d.layout
+    layout.validate(2)
     assert [(g.name, layout.group_blocks(i)) for i, g in enumerate(layout.groups)] == [("kv", 9), ("swa", 5)]
     assert layout.groups[1].spec.sliding_window == 32
     regions = build_pool_layout(layout).regions
@@ -67,22 +69,36 @@ def test_a_sliding_window_pool_is_a_second_group_with_its_own_page_count():
     assert [pool.region_address(r) for r in regions] == [b.address for b in d.buffers]
 
 
+def test_the_typed_layout_is_the_one_a_layout_table_of_the_same_pools_gives():
+    """An engine's layout and a [layout] table describing the same pools compare equal, layer
+    names included (a standalone server configured by TOML peers with an engine's)."""
+    pools, _ = mha(layers=3, pages=9, page=4)
+    table = {"model_id": "m|kv=auto", "total_num_kv_heads": 4, "block_size": 4, "num_blocks": 9, "dtype": "uint8",
+             "kv_memory_layout": "NHD", "region_layout": "split_kv",
+             "groups": [{"name": "kv", "kind": "full_attention", "num_layers": 3, "head_size": 16,
+                         "head_size_v": 16}]}
+    assert describe(pools).layout == layout_from_dict(table, 2)
+
+
 def test_one_token_pages_split_heads_between_tp_sizes_larger_pages_do_not():
-    assert layout_from_dict(describe(mha(page=1)[0]).table, 2).memory_order.value == "HND"
-    assert layout_from_dict(describe(mha(page=4)[0]).table, 2).memory_order.value == "NHD"
+    assert describe(mha(page=1)[0]).layout.memory_order.value == "HND"
+    assert describe(mha(page=4)[0]).layout.memory_order.value == "NHD"
 
 
 def test_replicated_heads_and_different_value_sizes():
     pools, _ = mha(heads=1, total=2, tp=4, vdim=4)  # TP 4 > 2 heads: one head a rank, replicated
-    g = describe(pools).table["groups"][0]
-    assert (g["head_size"], g["head_size_v"]) == (16, 8)
+    layout = describe(pools).layout
+    layout.validate(4)
+    spec = layout.groups[0].spec
+    assert (spec.num_kv_heads, spec.head_size, spec.head_size_v) == (1, 16, 8)
 
 
 def test_an_mla_pool_is_one_latent_region_a_layer():
     lat = [np.zeros((5, 576 * 2), np.uint8) for _ in range(2)]
     d = describe(SGLangPools([b.ctypes.data for b in lat], [b.nbytes for b in lat], [b.shape[1] for b in lat], 1,
                              True, 1, 2, "m"))
-    layout = layout_from_dict(d.table, 2)
+    layout = d.layout
+    layout.validate(2)
     assert layout.is_mla and [r.kind for r in build_pool_layout(layout).regions] == [RegionKind.LATENT] * 2
 
 

@@ -78,7 +78,7 @@ def test_a_fixed_listen_port_is_base_plus_rank():
     import torch
 
     from kvsvc.config import Role
-    from kvsvc.integrations.vllm.layout import CacheDescription
+    from kvsvc.integrations.description import CacheDescription
     from kvsvc.integrations.vllm.worker import KvsvcWorker
     from kvsvc.layout import layout_from_dict
     from kvsvc.layout.regions import build_pool_layout
@@ -91,7 +91,7 @@ def test_a_fixed_listen_port_is_base_plus_rank():
         base = s.getsockname()[1] - 1
     w = KvsvcWorker(engine_id="fp", role=Role.DECODE, tp_rank=1, tp_size=2, listen_port=base)
     try:
-        info = w.start(CacheDescription(table, [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8)
+        info = w.start(CacheDescription(layout_from_dict(table, tp_size=2), [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8)
                                                 for r in regions]))
         assert info.address == f"127.0.0.1:{base + 1}"
     finally:

@@ -118,11 +118,11 @@ async def run_pair(model: str, layout: str, p_tp: int, d_tp: int, p_kb: int | No
         fill(model, caches, names, r, p_tp)
     p_srv, p_port = await create_server(
         load_config(listen="127.0.0.1:0", engine_id="vl-p", role=Role.PREFILL, tp_size=p_tp,
-                    layout_table=p_descs[0].table), external_pools={r: d.buffers for r, d in enumerate(p_descs)})
+                    engine_layout=p_descs[0].layout), external_pools={r: d.buffers for r, d in enumerate(p_descs)})
     d_ranks, d_descs = sides["d"]
     d_srv, d_port = await create_server(
         load_config(listen="127.0.0.1:0", engine_id="vl-d", role=Role.DECODE, tp_size=d_tp,
-                    layout_table=d_descs[0].table), external_pools={r: d.buffers for r, d in enumerate(d_descs)})
+                    engine_layout=d_descs[0].layout), external_pools={r: d.buffers for r, d in enumerate(d_descs)})
     try:
         async with AsyncClient(f"127.0.0.1:{p_port}") as pc, AsyncClient(f"127.0.0.1:{d_port}") as dc:
             pub = await pc.publish_blocks("vl-1", kernel_block_ids([P_IDS], p_descs[0].blocks_per_logical))

@@ -23,8 +23,8 @@ import torch
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.config import Role
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.vllm import params as kvparams
-from kvsvc.integrations.vllm.layout import CacheDescription
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
 from kvsvc.integrations.vllm.worker import KvsvcWorker
@@ -73,7 +73,7 @@ def _wait_in_queue(heartbeat_s: float, tmp_path) -> tuple[dict[str, str], str, K
     sched = KvsvcScheduler(engine_id="hb-d", tp_size=1, dcp_size=1, is_producer=False,
                            lease_heartbeat_s=heartbeat_s)
     try:
-        worker.start(CacheDescription(TABLE, _buffers()))
+        worker.start(CacheDescription(layout_from_dict(TABLE, tp_size=1), _buffers()))
 
         async def publish():
             async with AsyncClient(p.address) as pc:
@@ -155,7 +155,7 @@ def test_an_abandoned_request_is_aborted_at_p_over_the_channel_d_already_holds(t
     worker = KvsvcWorker(engine_id="ab-d", role=Role.DECODE, tp_rank=0, tp_size=1, heartbeat_s=0.0)
     sched = KvsvcScheduler(engine_id="ab-d", tp_size=1, dcp_size=1, is_producer=False, lease_heartbeat_s=0.0)
     try:
-        worker.start(CacheDescription(TABLE, _buffers()))
+        worker.start(CacheDescription(layout_from_dict(TABLE, tp_size=1), _buffers()))
 
         async def publish(rid: str):
             async with AsyncClient(p.address) as pc:
@@ -222,7 +222,7 @@ def test_a_p_stalled_past_a_heartbeat_round_keeps_its_waiting_leases(tmp_path):
     worker = KvsvcWorker(engine_id="hb-d", role=Role.DECODE, tp_rank=0, tp_size=1, heartbeat_s=heartbeat_s)
     sched = KvsvcScheduler(engine_id="hb-d", tp_size=1, dcp_size=1, is_producer=False, lease_heartbeat_s=heartbeat_s)
     try:
-        worker.start(CacheDescription(TABLE, _buffers()))
+        worker.start(CacheDescription(layout_from_dict(TABLE, tp_size=1), _buffers()))
 
         async def publish():
             async with AsyncClient(p.address) as pc:

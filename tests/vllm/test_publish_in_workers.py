@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvsvc.config import Role
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.vllm import params as kvparams
-from kvsvc.integrations.vllm.layout import CacheDescription
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive, ServerInfo
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
 from kvsvc.integrations.vllm.worker import KvsvcWorker
@@ -41,7 +41,7 @@ def _worker(role: Role, engine_id: str, fill: int = 0) -> KvsvcWorker:
     for b in buffers:  # every block of P distinct: a wrong block read shows
         b[:, 0] = torch.arange(b.shape[0], dtype=torch.uint8)
     w = KvsvcWorker(engine_id=engine_id, role=role, tp_rank=0, tp_size=1)
-    w.start(CacheDescription(TABLE, buffers))
+    w.start(CacheDescription(layout_from_dict(TABLE, tp_size=1), buffers))
     w.buffers = buffers  # type: ignore[attr-defined]
     return w
 

@@ -18,7 +18,7 @@ import torch
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import abort_published
 from kvsvc.config import Role
-from kvsvc.integrations.vllm.layout import CacheDescription
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.worker import KvsvcWorker
 from kvsvc.layout import layout_from_dict
@@ -31,7 +31,7 @@ TABLE = {"model_id": "rw", "total_num_kv_heads": 2, "block_size": 16, "num_block
 def _worker() -> KvsvcWorker:
     regions = build_pool_layout(layout_from_dict(TABLE, tp_size=1)).regions
     w = KvsvcWorker(engine_id="rw-p", role=Role.PREFILL, tp_rank=0, tp_size=1)
-    w.start(CacheDescription(TABLE, [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8) for r in regions]))
+    w.start(CacheDescription(layout_from_dict(TABLE, tp_size=1), [torch.zeros((r.num_blocks, r.block_len), dtype=torch.uint8) for r in regions]))
     return w
 
 

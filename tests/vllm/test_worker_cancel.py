@@ -13,8 +13,8 @@ import torch
 from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.config import Role
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.vllm import params as kvparams
-from kvsvc.integrations.vllm.layout import CacheDescription
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata, Receive
 from kvsvc.integrations.vllm.worker import KvsvcWorker
 from kvsvc.layout import layout_from_dict
@@ -46,7 +46,7 @@ def test_a_cancelled_transfer_is_reported_only_once_settled():
     buffers = _buffers()
     worker = KvsvcWorker(engine_id="w-d", role=Role.DECODE, tp_rank=0, tp_size=1)
     try:
-        info = worker.start(CacheDescription(TABLE, buffers))
+        info = worker.start(CacheDescription(layout_from_dict(TABLE, tp_size=1), buffers))
         rng = random.Random(3)
         late_writes, cancelled = 0, 0
 

@@ -9,7 +9,7 @@ pool's padding page, never handed out). A hybrid-SWA model's sliding-window laye
 pool of their own (SGLang's SWA state component), described as a second group.
 
 Pure: reads numbers, imports no SGLang, torch, grpc or NIXL. The layout says the bytes of
-a head's row, not its element type (the table's dtype is uint8 and head_size counts
+a head's row, not its element type (the layout's dtype is uint8 and head_size counts
 bytes): SGLang's KV dtype travels in the model id, so P and D with different KV dtypes
 are refused by kvsvc's compatibility check rather than mixing bytes.
 """
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvsvc.errors import FailedPrecondition
+from kvsvc.integrations.description import CacheDescription, LayerGroup, numbered_groups
+from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, RegionLayout
+from kvsvc.layout.specs import DType, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, per_rank_heads
 from kvsvc.memory.pools import AddressRange
 from kvsvc.reasons import Reason
 
@@ -52,14 +54,6 @@ class SGLangWindowPool:
     window: int
 
 
-@dataclass
-class SGLangCacheDescription:
-    """kvsvc's layout table for the server's config, and one buffer per region in region order."""
-
-    table: dict[str, Any]
-    buffers: list[AddressRange]
-
-
 def _refuse(message: str, **meta: object) -> FailedPrecondition:
     return FailedPrecondition(Reason.UNSUPPORTED_KV_LAYOUT, message, {k: str(v) for k, v in meta.items()})
 
@@ -82,10 +76,11 @@ def _ranges(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], devi
     return out
 
 
-def _mha_group(ranges: list[AddressRange], page_size: int, heads: int, what: str) -> tuple[dict[str, Any],
-                                                                                          list[AddressRange]]:
-    """A group of MHA layers from SGLang's buffers (every layer's K, then every layer's V) and
-    its buffers in kvsvc's region order (layer by layer, K then V)."""
+def _mha_group(ranges: list[AddressRange], page_size: int, heads: int,
+               what: str) -> tuple[tuple[int, int, int], list[AddressRange]]:
+    """A group of MHA layers from SGLang's buffers (every layer's K, then every layer's V):
+    (K row bytes, V row bytes, layers) and its buffers in kvsvc's region order (layer by
+    layer, K then V)."""
     if len(ranges) % 2:
         raise _refuse(f"an MHA pool gives K and V buffers per layer; SGLang gave {len(ranges)} {what} buffers",
                       buffers=len(ranges))
@@ -98,11 +93,10 @@ def _mha_group(ranges: list[AddressRange], page_size: int, heads: int, what: str
             raise _refuse(f"{what} {kind} buffers of {sorted(row)} bytes a page do not split into {page_size} "
                           f"tokens of {heads} heads", page_bytes=sorted(row), page_size=page_size, heads=heads)
         sizes.append(next(iter(row)) // (page_size * heads))
-    group = {"kind": "full_attention", "num_layers": layers, "head_size": sizes[0], "head_size_v": sizes[1]}
-    return group, [b for pair in zip(keys, values, strict=True) for b in pair]
+    return (sizes[0], sizes[1], layers), [b for pair in zip(keys, values, strict=True) for b in pair]
 
 
-def describe(p: SGLangPools) -> SGLangCacheDescription:
+def describe(p: SGLangPools) -> CacheDescription:
     """The layout of one SGLang worker's KV pools and the region buffers to register, in place.
 
     With a sliding-window pool (p.swa) its layers are a second group, "swa", with a block
@@ -111,9 +105,13 @@ def describe(p: SGLangPools) -> SGLangCacheDescription:
     if p.page_size <= 0:
         raise _refuse(f"page size {p.page_size}", page_size=p.page_size)
     ranges = _ranges(p.kv_data_ptrs, p.kv_data_lens, p.kv_item_lens, p.device)
-    num_pages = ranges[0].rows
-    common = {"model_id": p.model_id, "block_size": p.page_size, "num_blocks": num_pages, "dtype": "uint8",
-              "region_layout": "split_kv", "dcp_size": 1}
+    block, u8 = p.page_size, DType.UINT8
+
+    def layout(total_heads: int, memory: KvMemoryLayout, groups: list[LayerGroup]) -> EngineLayout:
+        return EngineLayout(model_id=p.model_id, total_num_kv_heads=total_heads, block_size=block,
+                            num_blocks=ranges[0].rows, groups=numbered_groups(groups), kv_memory_layout=memory,
+                            region_layout=RegionLayout.SPLIT_KV)
+
     if p.is_mla:
         if p.swa is not None:
             raise _refuse("a sliding-window pool beside an MLA pool")
@@ -121,23 +119,21 @@ def describe(p: SGLangPools) -> SGLangCacheDescription:
         if len(latent) != 1 or next(iter(latent)) % p.page_size:
             raise _refuse("MLA layers differ in latent size", sizes=sorted(latent))
         head_bytes = next(iter(latent)) // p.page_size
-        table = {**common, "total_num_kv_heads": 1, "kv_memory_layout": "HND",
-                 "groups": [{"name": "mla", "kind": "mla", "num_layers": len(ranges), "head_size": head_bytes}]}
-        return SGLangCacheDescription(table, ranges)
-    heads = max(1, p.total_num_kv_heads // p.tp_size)  # SGLang replicates heads when TP > K, as kvsvc does
-    full, buffers = _mha_group(ranges, p.page_size, heads, "KV")
-    groups = [{"name": "kv", **full}]
+        mla = LayerGroup("mla", MLAAttentionSpec(block, 1, head_bytes, u8), len(ranges))
+        return CacheDescription(layout(1, KvMemoryLayout.HND, [mla]), ranges)
+    heads = per_rank_heads(p.total_num_kv_heads, p.tp_size)  # SGLang replicates heads when TP > K, as kvsvc does
+    (k_bytes, v_bytes, layers), buffers = _mha_group(ranges, p.page_size, heads, "KV")
+    groups = [LayerGroup("kv", FullAttentionSpec(block, heads, k_bytes, u8, v_bytes), layers)]
     if p.swa is not None:
         swa_ranges = _ranges(p.swa.data_ptrs, p.swa.data_lens, p.swa.item_lens, p.device, "sliding-window")
-        swa, swa_buffers = _mha_group(swa_ranges, p.page_size, heads, "sliding-window")
+        (swa_k, swa_v, swa_layers), swa_buffers = _mha_group(swa_ranges, p.page_size, heads, "sliding-window")
         if p.swa.window <= 0:
             raise _refuse(f"sliding window of {p.swa.window} tokens", sliding_window=p.swa.window)
-        if swa["head_size"] != swa.pop("head_size_v"):
-            raise _refuse("sliding-window K and V rows differ in size", key=swa["head_size"])
-        groups.append({"name": "swa", **swa, "kind": "sliding_window", "sliding_window": p.swa.window,
-                       "num_blocks": swa_ranges[0].rows})
+        if swa_k != swa_v:
+            raise _refuse("sliding-window K and V rows differ in size", key=swa_k)
+        groups.append(LayerGroup("swa", SlidingWindowSpec(block, heads, swa_k, u8, p.swa.window), swa_layers,
+                                 swa_ranges[0].rows))
         buffers += swa_buffers
     # One page of one token is the same bytes in NHD and HND (heads contiguous): kvsvc splits
     # heads between TP sizes as for HND; a larger page is read a token row at a time.
-    table = {**common, "total_num_kv_heads": p.total_num_kv_heads, "kv_memory_layout": "NHD", "groups": groups}
-    return SGLangCacheDescription(table, buffers)
+    return CacheDescription(layout(p.total_num_kv_heads, KvMemoryLayout.NHD, groups), buffers)

@@ -24,20 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.errors import FailedPrecondition
+from kvsvc.integrations.description import CacheDescription, LayerGroup, numbered_groups
+from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, RegionLayout
+from kvsvc.layout.specs import DType, FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 from kvsvc.reasons import Reason
 
-_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32",
-           "torch.float8_e4m3fn": "float8_e4m3", "torch.float8_e5m2": "float8_e5m2", "torch.uint8": "uint8"}
-
-
-@dataclass
-class CacheDescription:
-    """The layout table (for kvsvc's config), one buffer per region in region order, and how
-    many kernel blocks (kvsvc's blocks) make one of vLLM's blocks."""
-
-    table: dict[str, Any]
-    buffers: list[Any]
-    blocks_per_logical: int = 1
+_DTYPES = {"torch.bfloat16": DType.BFLOAT16, "torch.float16": DType.FLOAT16, "torch.float32": DType.FLOAT32,
+           "torch.float8_e4m3fn": DType.FLOAT8_E4M3, "torch.float8_e5m2": DType.FLOAT8_E5M2,
+           "torch.uint8": DType.UINT8}
 
 
 @dataclass
@@ -55,7 +49,7 @@ def _refuse(message: str, **meta: object) -> FailedPrecondition:
     return FailedPrecondition(Reason.UNSUPPORTED_KV_LAYOUT, message, {k: str(v) for k, v in meta.items()})
 
 
-def _dtype(t: Any) -> str:
+def _dtype(t: Any) -> DType:
     name = str(t.dtype)
     if name not in _DTYPES:
         raise _refuse(f"KV dtype {name} is not supported", dtype=name)
@@ -130,10 +124,20 @@ def kernel_block_ids(block_ids: Any, blocks_per_logical: int) -> list[list[int]]
     return [[int(b) * n + j for b in group for j in range(n)] for group in block_ids]
 
 
+def _spec(kind: str, spec: Any, block: int, dtype: DType) -> KVCacheSpec:
+    """kvsvc's spec of a vLLM group (its spec's per-rank heads, kvsvc's block: the kernel block)."""
+    if kind == "MLAAttentionSpec":
+        return MLAAttentionSpec(block, 1, spec.head_size, dtype)
+    if kind == "SlidingWindowSpec":
+        return SlidingWindowSpec(block, spec.num_kv_heads, spec.head_size, dtype, spec.sliding_window)
+    return FullAttentionSpec(block, spec.num_kv_heads, spec.head_size, dtype, getattr(spec, "head_size_v", 0) or 0)
+
+
 def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: str, total_num_kv_heads: int,
              dcp_size: int = 1) -> CacheDescription:
-    """The kvsvc layout of one worker's caches and the views to register, in kvsvc's region order."""
-    groups: list[dict[str, Any]] = []
+    """The kvsvc layout of one worker's caches and the views to register, in kvsvc's region
+    order (the server's config checks the layout against the engine's TP size)."""
+    groups: list[tuple[str, str, Any, int]] = []  # (name, vLLM's spec type, its spec, layers)
     buffers: list[Any] = []
     region = memory = None
     facts: dict[str, Any] = {}  # what every layer must share: blocks, dtype, kernel block, split
@@ -143,7 +147,6 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
         if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"):
             raise _refuse(f"KV cache group {gi} is {kind}; kvsvc's vLLM connector moves full, sliding-window "
                           "and MLA attention", group=gi, spec=kind)
-        entry: dict[str, Any] = {"name": f"g{gi}", "num_layers": len(names), "head_size": spec.head_size}
         for name in names:
             if name not in kv_caches:
                 raise _refuse(f"layer {name} of group {gi} has no KV tensor", layer=name)
@@ -161,13 +164,7 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
                               "block geometry per engine", layer=name, **{k.replace(" ", "_"): these[k]
                                                                           for k in differ})
             buffers.extend(lv.views)
-        if kind == "MLAAttentionSpec":
-            entry["kind"] = "mla"
-        elif kind == "SlidingWindowSpec":
-            entry.update(kind="sliding_window", sliding_window=spec.sliding_window)
-        else:
-            entry.update(kind="full_attention", head_size_v=getattr(spec, "head_size_v", 0) or 0)
-        groups.append(entry)
+        groups.append((f"g{gi}", kind, spec, len(names)))
     if not groups:
         raise _refuse("the engine has no KV cache groups")
     per_logical = facts["kernel blocks per block"]
@@ -176,7 +173,10 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
                       f"splits each block into {per_logical} kernel blocks: run DCP with --block-size equal to "
                       f"the kernel block ({facts['kernel block']})", dcp_size=dcp_size,
                       kernel_block=facts["kernel block"])
-    table = {"model_id": model_id, "total_num_kv_heads": total_num_kv_heads, "block_size": facts["kernel block"],
-             "num_blocks": facts["blocks"], "dtype": facts["dtype"], "groups": groups, "dcp_size": dcp_size,
-             "kv_memory_layout": memory or "HND", "region_layout": region or "split_kv"}
-    return CacheDescription(table, buffers, per_logical)
+    block, dtype = facts["kernel block"], facts["dtype"]
+    layout = EngineLayout(
+        model_id=model_id, total_num_kv_heads=total_num_kv_heads, block_size=block, num_blocks=facts["blocks"],
+        groups=numbered_groups([LayerGroup(name, _spec(kind, spec, block, dtype), n) for name, kind, spec, n in groups]),
+        kv_memory_layout=KvMemoryLayout(memory or "HND"), region_layout=RegionLayout(region or "split_kv"),
+        dcp_size=dcp_size)
+    return CacheDescription(layout, buffers, per_logical)

@@ -26,10 +26,11 @@ from kvsvc.client import AsyncClient, ClientOptions
 from kvsvc.client.leases import LEASE_NOT_YET_MADE, heartbeat_is_transient, heartbeat_published, servers_of
 from kvsvc.config import Role, load_config
 from kvsvc.errors import KvsvcError
+from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.embedded import EmbeddedServer
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.vllm import params as kvparams
-from kvsvc.integrations.vllm.layout import CacheDescription, kernel_block_ids
+from kvsvc.integrations.vllm.layout import kernel_block_ids
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
 from kvsvc.integrations.vllm.stats import RELEASES_COUNTED, KvsvcConnectorStats
 from kvsvc.leases.table import LeaseState
@@ -104,10 +105,10 @@ class KvsvcWorker:
         log_under_vllm()
         port = self._listen_port + self.tp_rank if self._listen_port else 0  # fixed: base + rank
         config = load_config(self._config_path, listen=f"{self._listen_host}:{port}", engine_id=self.engine_id, role=self.role,
-                             tp_size=self.tp_size, ranks=[self.tp_rank], layout_table=description.table,
+                             tp_size=self.tp_size, ranks=[self.tp_rank], engine_layout=description.layout,
                              **self._overrides)
 
-        embedded = EmbeddedServer(config, description.buffers, advertise_host=self._advertise_host,
+        embedded = EmbeddedServer(config, description, advertise_host=self._advertise_host,
                                   on_release=self._released_here, waiting_for=self._waiting_for, log=log,
                                   name=f"kvsvc-worker-{self.tp_rank}")
         self._embedded = embedded
