@@ -28,6 +28,10 @@ Hybrid sliding-window models: their window layers live in a pool of their own (S
 state component), a second kvsvc group; P leases the window's pages SGLang names beside the
 full pages, and D reads them into its own window pages.
 
+Beside this file: rooms.py (what each side keeps of a request, as state machines),
+workers.py (the listener and P's lease worker, both stopped by teardown()), engine.py (what
+the backend reads of SGLang beyond KVArgs), wire.py (the messages), embedded.py (the server).
+
 Not covered (refused at start with a clear error): other hybrid state (Mamba, DSA...), draft
 KV (speculative decoding), pipeline, context and decode-context parallelism, KV sharding,
 staging buffers, host destinations, and GPU-resident aux buffers.
@@ -37,21 +41,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import dataclasses
 import hashlib
 import hmac
 import logging
 import os
-import queue
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import zmq
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, StateType
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
     AbortNotification,
@@ -61,7 +61,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
+from sglang.srt.runtime_context import get_serving
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
@@ -70,7 +70,10 @@ from kvsvc.errors import KvsvcError
 from kvsvc.integrations.settings import EngineSettings
 from kvsvc.integrations.sglang import wire
 from kvsvc.integrations.sglang.embedded import SGLangServer
-from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
+from kvsvc.integrations.sglang.engine import engine_secret, total_kv_heads, unsupported, window_pages, window_pool
+from kvsvc.integrations.sglang.layout import SGLangPools, describe
+from kvsvc.integrations.sglang.rooms import DRoom, DState, OnAbort, PRooms
+from kvsvc.integrations.sglang.workers import Listener, Worker
 from kvsvc.leases.table import LeaseState
 
 log = logging.getLogger("sglang.kvsvc")
@@ -80,9 +83,11 @@ log = logging.getLogger("sglang.kvsvc")
 # TOML whose [server] keys apply to the embedded servers), read when the backend starts.
 SETTINGS_PREFIX = "KVSVC_SGLANG_"
 
-# Requests a P rank keeps track of: a D that names rooms P never serves (or names them after
-# they ended) must not grow it without end; the oldest entries go first.
+# Requests a P rank keeps track of (rooms.PRooms): the oldest go first beyond it.
 MAX_P_ROOMS = 1 << 16
+
+# How long teardown waits for each of the backend's threads to end.
+STOP_THREAD_S = 10.0
 
 RELEASE_REASONS = {
     LeaseState.EXPIRED: "kvsvc: the decode side did not read the KV within the lease (EXPIRED)",
@@ -99,98 +104,6 @@ def room_of(rid: str) -> int | None:
     return int(room) if prefix == "sglang" and room.isdigit() else None
 
 
-def _unsupported(args: KVArgs, mode: DisaggregationMode) -> list[str]:
-    """What this backend does not move, from the engine's own description of its state."""
-    parallel = get_parallel()
-    why = []
-    state_types = getattr(args, "state_types", None) or []
-    others = [s for s in state_types if s != StateType.SWA]
-    if others:
-        why.append(f"hybrid state ({', '.join(str(getattr(s, 'value', s)) for s in others)})")
-    elif state_types and getattr(args, "swa_kv_cache_layout", None) is None:
-        why.append("a sliding-window pool that is not an MHA pool")
-    if getattr(args, "num_draft_entries", 0):
-        why.append("draft-model KV (speculative decoding)")
-    for name, size in (("pipeline", parallel.pp_size), ("context", parallel.attn_cp_size),
-                       ("decode-context", parallel.attn_dcp_size)):
-        if size > 1:
-            why.append(f"{name} parallelism ({size})")
-    if getattr(parallel, "enable_kv_cache_sharding", False):
-        why.append("KV cache sharding")
-    if getattr(args, "host_kv_data_ptrs", None) and mode == DisaggregationMode.DECODE:
-        why.append("host KV destinations")
-    if os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL") == "INTRA_NODE_NVLINK":
-        why.append("aux buffers in GPU memory (SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK)")
-    if get_disagg().disaggregation_decode_allocation_policy == "prefill_complete":
-        why.append("--disaggregation-decode-allocation-policy prefill_complete")
-    return why
-
-
-def _total_kv_heads(args: KVArgs, server_args: ServerArgs, is_mla: bool) -> int:
-    if is_mla:
-        return 1
-    total = getattr(args, "total_kv_head_num", 0)
-    if total:
-        return int(total)
-    from sglang.srt.configs.model_config import ModelConfig
-
-    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
-
-
-def _window_pool(args: KVArgs, server_args: ServerArgs) -> SGLangWindowPool | None:
-    """The sliding-window pool of a hybrid-SWA model (SGLang's SWA state component), if any."""
-    if StateType.SWA not in (getattr(args, "state_types", None) or []):
-        return None
-    from sglang.srt.configs.model_config import ModelConfig
-
-    i = args.state_types.index(StateType.SWA)
-    window = ModelConfig.from_server_args(server_args).sliding_window_size or 0
-    return SGLangWindowPool(args.state_data_ptrs[i], args.state_data_lens[i], args.state_item_lens[i], int(window))
-
-
-def _window_pages(state_indices: Any, state_types: list[Any]) -> np.ndarray | None:
-    """The window's pages among SGLang's state indices (one entry per state type)."""
-    if state_indices is None or StateType.SWA not in state_types:
-        return None
-    pages = state_indices[state_types.index(StateType.SWA)]
-    return None if pages is None else np.asarray(pages, dtype=np.int64).reshape(-1)
-
-
-def _engine_secret(tp_size: int) -> bytes:
-    """A secret every attention-TP rank of this engine holds (lease tokens derive from it, so
-    the ranks' leases of one request share a token without a word between them per request)."""
-    secret = secrets.token_bytes(32)
-    if tp_size > 1:
-        from sglang.srt.distributed.parallel_state import get_attn_tp_group
-
-        secret = get_attn_tp_group().broadcast_object(secret, src=0)
-    return secret
-
-
-@dataclasses.dataclass
-class _PRoom:
-    """P: one request on this rank, from D's METADATA to the lease's release."""
-
-    infos: dict[tuple[str, int], wire.Metadata] = dataclasses.field(default_factory=dict)
-    pages: list[np.ndarray] = dataclasses.field(default_factory=list)
-    window: np.ndarray | None = None  # a hybrid-SWA model's window pages (with the last chunk)
-    leased: bool = False
-    aborted: bool = False
-
-
-@dataclasses.dataclass
-class _DRoom:
-    """D: one request on this rank, from METADATA to the end of its transfer."""
-
-    pages: np.ndarray
-    aux_index: int
-    expected: int  # READY messages to wait for: one per P rank D sent METADATA to
-    window: np.ndarray | None = None  # a hybrid-SWA model's window pages
-    pieces: dict[int, wire.Ready] = dataclasses.field(default_factory=dict)
-    running: Any = None  # the transfer's concurrent future
-    fail_after_settle: bool = False  # SGLang failed the room while the transfer ran
-
-
 class KvsvcKVManager(CommonKVManager):
     kv_status_msg_tag = wire.STATUS
     kv_status_msg_carries_reason = True
@@ -198,7 +111,7 @@ class KvsvcKVManager(CommonKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: bool | None = False) -> None:
-        refused = _unsupported(args, disaggregation_mode)
+        refused = unsupported(args, disaggregation_mode)
         if refused:
             raise ValueError("--disaggregation-transfer-backend kvsvc does not move " + "; ".join(refused)
                              + " (use SGLang's nixl or mooncake backend for this model or set-up)")
@@ -209,10 +122,10 @@ class KvsvcKVManager(CommonKVManager):
         serving = get_serving()
         name = getattr(serving, "served_model_name", None) or server_args.model_path
         pools = SGLangPools(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, args.page_size,
-                            bool(is_mla_backend), _total_kv_heads(args, server_args, bool(is_mla_backend)),
+                            bool(is_mla_backend), total_kv_heads(args, server_args, bool(is_mla_backend)),
                             self.attn_tp_size, self.settings.model_id or f"{name}|kv={args.kv_cache_dtype_str}",
                             args.gpu_id if str(server_args.device).startswith("cuda") else None,
-                            _window_pool(args, server_args))
+                            window_pool(args, server_args))
         self._windowed = pools.swa is not None
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         role = Role.PREFILL if prefill else Role.DECODE
@@ -225,32 +138,42 @@ class KvsvcKVManager(CommonKVManager):
             tp_size=self.attn_tp_size, description=describe(pools), host=self.local_ip, settings=self.settings,
             on_release=self._released if prefill else None)
         self.kvsvc.start()
+        self._lease_worker: Worker | None = None
+        self._heartbeats: threading.Thread | None = None
         if prefill:
-            self._secret = _engine_secret(self.attn_tp_size)
-            self._p_rooms: dict[int, _PRoom] = {}
-            self._p_ended: OrderedDict[int, str] = OrderedDict()  # failed rooms already cleared
-            self._send_queue: queue.SimpleQueue[tuple[int, list[bytes]]] = queue.SimpleQueue()
-            threading.Thread(target=self._lease_worker, name="kvsvc-sglang-lease", daemon=True).start()
-            self._start_listener(self._on_p_message)
+            self._secret = engine_secret(self.attn_tp_size)
+            self._p_rooms = PRooms(MAX_P_ROOMS, self._p_room_evicted)
+            self._lease_worker = Worker(self._lease_job, "kvsvc-sglang-lease")
+            self._lease_worker.start()
         else:
-            self._d_rooms: dict[int, _DRoom] = {}
-            self._start_listener(self._on_d_message)
-            self._start_heartbeat_checker_thread()
+            self._d_rooms: dict[int, DRoom] = {}
+        self._listener = Listener(self._zmq_ctx, self.server_socket,
+                                  self._on_p_message if prefill else self._on_d_message, "kvsvc-sglang-listen")
+        self._listener.start()
+        if not prefill:
+            self._heartbeats = self._start_heartbeat_checker_thread()
 
     # ---- both --------------------------------------------------------------------
 
-    def _start_listener(self, handle: Any) -> None:
-        def listen() -> None:
-            while True:
-                msg = self.server_socket.recv_multipart()
-                try:
-                    handle(msg)
-                except wire.Malformed as e:
-                    log.warning("kvsvc: dropped a malformed message (%s)", e)
-                except Exception:
-                    log.exception("kvsvc: handling a %r message failed", msg[0][:24] if msg else b"")
-
-        threading.Thread(target=listen, name="kvsvc-sglang-listen", daemon=True).start()
+    def teardown(self) -> None:
+        """Stop the backend's threads, then its kvsvc server (whose stop settles every
+        transfer), then SGLang's sockets. The KV pools stay SGLang's."""
+        stopped = self._listener.stop(STOP_THREAD_S)
+        if self._lease_worker is not None:
+            stopped &= self._lease_worker.stop(STOP_THREAD_S)
+        if self._heartbeats is not None:
+            self._heartbeat_shutdown.set()
+            self._heartbeats.join(STOP_THREAD_S)
+            stopped &= not self._heartbeats.is_alive()
+        if not stopped:
+            log.warning("kvsvc: a thread of the backend did not stop within %.0f s", STOP_THREAD_S)
+        self.kvsvc.stop()
+        with self._socket_lock:
+            for sock in self._socket_cache.values():
+                sock.close(linger=0)
+            self._socket_cache.clear()
+        if stopped:  # a listener that still runs may still read it
+            self.server_socket.close(linger=0)
 
     def build_receiver_registration_message(self) -> list[bytes]:
         return wire.register(self.local_ip, self.rank_port, self.kv_args.engine_rank)
@@ -284,19 +207,17 @@ class KvsvcKVManager(CommonKVManager):
 
     # ---- P -------------------------------------------------------------------------
 
-    def _p_room(self, room_id: int) -> _PRoom:
-        """The room's entry, made if new (call under self._lock)."""
-        room = self._p_rooms.get(room_id)
-        if room is None:
-            while len(self._p_rooms) >= MAX_P_ROOMS:
-                oldest = next(iter(self._p_rooms))
-                del self._p_rooms[oldest]
-                if oldest not in self.request_status:  # never served here: SGLang's own entry goes too
-                    self.transfer_infos.pop(oldest, None)
-            room = self._p_rooms[room_id] = _PRoom()
-        return room
+    def _p_room_evicted(self, room_id: int) -> None:
+        if room_id not in self.request_status:  # never served here: SGLang's own entry goes too
+            self.transfer_infos.pop(room_id, None)
 
     def _on_p_message(self, msg: list[bytes]) -> None:
+        try:
+            self._on_p_message_parsed(msg)
+        except wire.Malformed as e:
+            log.warning("kvsvc: dropped a malformed message (%s)", e)
+
+    def _on_p_message_parsed(self, msg: list[bytes]) -> None:
         if not msg:
             return
         if self._handle_bootstrap_message(msg):
@@ -310,13 +231,13 @@ class KvsvcKVManager(CommonKVManager):
             return  # D reads; P keeps nothing of D but the endpoints in each METADATA
         meta = wire.Metadata.parse(msg)
         with self._lock:
-            ended = self._p_ended.get(meta.room)
+            ended = self._p_rooms.ended(meta.room)
         if ended is not None:  # D asks after P ended the request (aborted while bootstrapping)
             self.send_kv_status_message(targets=[(meta.ip, meta.port)], bootstrap_room=meta.room,
                                         status=KVPoll.Failed, failure_reason=ended)
             return
         with self._lock:
-            room = self._p_room(meta.room)
+            room = self._p_rooms.get_or_make(meta.room)
             room.infos[(meta.ip, meta.port)] = meta
             complete = len(room.infos) >= meta.d_ranks_expected
             aborted = room.aborted
@@ -336,19 +257,18 @@ class KvsvcKVManager(CommonKVManager):
                              num_kv_tokens: int | None = None, **_: Any) -> None:
         """P's scheduler thread, for each chunk: keep the pages; on the last one hand the lease
         to the lease worker (the scheduler never waits on kvsvc)."""
+        window = window_pages(state_indices, self.kv_args.state_types) if is_last_chunk else None
         with self._lock:
             room = self._p_rooms.get(bootstrap_room)
             if room is None:
                 return
-            room.pages.append(np.asarray(kv_indices, dtype=np.int64))
-            window = _window_pages(state_indices, self.kv_args.state_types) if is_last_chunk else None
-            if window is not None:
-                room.window = window
+            room.add_chunk(np.asarray(kv_indices, dtype=np.int64), window)
         if is_last_chunk:
             assert aux_index is not None, "SGLang passes the aux row with the last chunk"
+            assert self._lease_worker is not None
             # The aux row is read now: the scheduler filled it before this call and may
             # reuse the slot once the request ends.
-            self._send_queue.put((bootstrap_room, self._aux_rows(int(aux_index))))
+            self._lease_worker.put((bootstrap_room, self._aux_rows(int(aux_index))))
 
     def _groups(self, pages: np.ndarray, window: np.ndarray | None) -> list[list[int]]:
         """A request's block ids per kvsvc group: its pages, and for a hybrid-SWA model the
@@ -361,34 +281,36 @@ class KvsvcKVManager(CommonKVManager):
     def token(self, room: int) -> str:
         return hmac.new(self._secret, str(room).encode(), hashlib.sha256).hexdigest()[:32]
 
-    def _lease_worker(self) -> None:
-        while True:
-            room_id, aux = self._send_queue.get()
-            try:
-                self._lease_and_tell(room_id, aux)
-            except Exception as e:
-                log.exception("kvsvc: leasing request %s failed", room_id)
-                self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: leasing failed: {e}")
+    def _lease_job(self, job: tuple[int, list[bytes]]) -> None:
+        room_id, aux = job
+        try:
+            self._lease_and_tell(room_id, aux)
+        except Exception as e:
+            log.exception("kvsvc: leasing request %s failed", room_id)
+            with self._lock:
+                room = self._p_rooms.get(room_id)
+                if room is not None:
+                    room.lease_refused()
+            self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: leasing failed: {e}")
 
     def _lease_and_tell(self, room_id: int, aux: list[bytes]) -> None:
         with self._lock:
             room = self._p_rooms.get(room_id)
-            if room is None or room.aborted:
-                return  # cleared or aborted before its last chunk: nothing was leased
-            pages = np.concatenate(room.pages) if room.pages else np.zeros(0, np.int64)
+            pages = None if room is None else room.start_lease()
+            if room is None or pages is None:
+                return  # cleared or aborted before its last chunk: nothing is leased
             groups = self._groups(pages, room.window)
-            room.leased = True
             infos = list(room.infos.values())
         try:
             params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), self.settings.lease_ttl_ms)
         except KvsvcError as e:
             with self._lock:
-                room.leased = False
+                room.lease_refused()
             self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: {e.reason}: {e.message}")
             return
         with self._lock:
-            aborted = room.aborted
-        if aborted:  # aborted while the lease was being made: take it back, as abort_room would
+            tell = room.lease_made()
+        if not tell:  # aborted while the lease was being made: abort_room left it to this worker
             self._withdraw(room_id)
             return
         self.update_status(room_id, KVPoll.Transferring)
@@ -405,18 +327,16 @@ class KvsvcKVManager(CommonKVManager):
         METADATA came. Its pages go back to SGLang once nobody can read them: at once unless
         D already claimed the lease; D hears of it now rather than at its own timeout."""
         with self._lock:
-            room = self._p_room(room_id)
-            if room.aborted:
-                return
-            room.aborted = True
-            leased = room.leased
-        if self.request_status.get(room_id) == KVPoll.Success:
+            then = self._p_rooms.get_or_make(room_id).abort()
+        if then is OnAbort.NOTHING or self.request_status.get(room_id) == KVPoll.Success:
             return
-        if not leased:
+        if then is OnAbort.FAIL:
             self.conclude_failure(bootstrap_room=room_id, failure_reason=reason)  # to D's ranks known so far
-        else:
-            self.record_failure(room_id, reason)
+            return
+        self.record_failure(room_id, reason)
+        if then is OnAbort.WITHDRAW:
             self._withdraw(room_id)
+        # OnAbort.LEASE_WORKER: the lease worker takes the lease back once it is made
 
     def _withdraw(self, room_id: int) -> None:
         """Take the lease back; the room fails (SGLang frees its pages) only once the server
@@ -459,23 +379,22 @@ class KvsvcKVManager(CommonKVManager):
     def forget_p_room(self, room_id: int, failure: str | None) -> None:
         """The sender is cleared; failure: why the request failed (None: it succeeded). A
         METADATA that comes later (D was slower than P's abort) is answered with it."""
+        ended = self.request_status.get(room_id) in (KVPoll.Success, KVPoll.Failed)
         with self._lock:
-            room = self._p_rooms.pop(room_id, None)
-            if failure is not None:
-                self._p_ended[room_id] = failure
-                while len(self._p_ended) > MAX_P_ROOMS:
-                    self._p_ended.popitem(last=False)
-        if room is not None and room.leased and not room.aborted \
-                and self.request_status.get(room_id) not in (KVPoll.Success, KVPoll.Failed):
-            self._withdraw(room_id)  # cleared while leased (never seen in SGLang's flow): free nothing readable
+            room = self._p_rooms.clear(room_id, failure)
+            # Cleared while leased (never seen in SGLang's flow): free nothing readable. A lease
+            # still being made is taken back by the lease worker once made.
+            then = room.abort() if room is not None and room.leased and not ended else OnAbort.NOTHING
+        if then is OnAbort.WITHDRAW:
+            self._withdraw(room_id)
 
     # ---- D -------------------------------------------------------------------------
 
     def expect(self, room_id: int, pages: Any, aux_index: int | None, p_ranks: int, state_indices: Any) -> None:
         with self._lock:
-            self._d_rooms[room_id] = _DRoom(np.asarray(pages, dtype=np.int64),
-                                            -1 if aux_index is None else int(aux_index), p_ranks,
-                                            _window_pages(state_indices, self.kv_args.state_types))
+            self._d_rooms[room_id] = DRoom(np.asarray(pages, dtype=np.int64),
+                                           -1 if aux_index is None else int(aux_index), p_ranks,
+                                           window_pages(state_indices, self.kv_args.state_types))
 
     def _on_d_message(self, msg: list[bytes]) -> None:
         if not msg:
@@ -488,43 +407,51 @@ class KvsvcKVManager(CommonKVManager):
             self.apply_prefill_status(bootstrap_room=room_id, status=status, prefill_rank=prefill_rank,
                                       failure_reason=reason)
             return
-        ready = wire.Ready.parse(msg)
-        with self._lock:
-            room = self._d_rooms.get(ready.room)
-            if room is None or room.running is not None:
-                return  # cleared, or a duplicate
-            room.pieces[ready.p_rank] = ready
-            if len(room.pieces) < room.expected:
-                return
-            pieces = list(room.pieces.values())
-        self._start_transfer(ready.room, room, pieces)
-
-    def _start_transfer(self, room_id: int, room: _DRoom, pieces: list[wire.Ready]) -> None:
         try:
-            params = wire.join_params(pieces)
+            ready = wire.Ready.parse(msg)
         except wire.Malformed as e:
-            self.record_failure(room_id, f"kvsvc: {e}")
-            self.update_status(room_id, KVPoll.Failed)
+            log.warning("kvsvc: dropped a malformed message (%s)", e)
             return
-        if self.request_status.get(room_id) == KVPoll.Failed:
+        self._start_transfer(ready)
+
+    def _start_transfer(self, ready: wire.Ready) -> None:
+        """Start the room's transfer once every P rank's READY is in. Decided and started under
+        the lock, so SGLang failing the room at the same time either stops it starting or
+        finds it running (and waits for it to settle)."""
+        room_id, failure = ready.room, None
+        with self._lock:
+            room = self._d_rooms.get(room_id)
+            pieces = None if room is None else room.add_piece(ready.p_rank, ready)
+            if room is None or pieces is None:
+                return  # cleared, failed, a duplicate, or more to come
+            try:
+                params = wire.join_params(pieces)
+            except wire.Malformed as e:
+                room.fail()
+                failure = f"kvsvc: {e}"
+            else:
+                if self.request_status.get(room_id) == KVPoll.Failed:
+                    room.fail()
+                    return
+                fut = self.kvsvc.transfer(request_id(room_id), params, self._groups(room.pages, room.window),
+                                          self.settings.transfer_timeout_s)
+                room.run(fut)
+        if failure is not None:
+            self.record_failure(room_id, failure)
+            super().update_status(room_id, KVPoll.Failed)
             return
         aux = min(pieces, key=lambda p: p.p_rank).aux
         started = time.perf_counter()
-        fut = self.kvsvc.transfer(request_id(room_id), params, self._groups(room.pages, room.window),
-                                  self.settings.transfer_timeout_s)
-        with self._lock:
-            room.running = fut
         super().update_status(room_id, KVPoll.Transferring)
         fut.add_done_callback(lambda f: self._transfer_ended(room_id, room, aux, f, started))
 
-    def _transfer_ended(self, room_id: int, room: _DRoom, aux: list[bytes], fut: Any, started: float) -> None:
+    def _transfer_ended(self, room_id: int, room: DRoom, aux: list[bytes], fut: Any, started: float) -> None:
         """On the server's loop, once the transfer settled: nothing of it writes any more."""
         with self._lock:
-            deferred = room.fail_after_settle
-            room.running = None
+            failed = room.state is DState.FAILING
             if self._d_rooms.get(room_id) is room:
                 del self._d_rooms[room_id]
-        if fut.cancelled() or deferred:
+        if fut.cancelled() or failed:
             super().update_status(room_id, KVPoll.Failed)
             return
         error = fut.exception()
@@ -550,9 +477,7 @@ class KvsvcKVManager(CommonKVManager):
         if status == KVPoll.Failed and self.disaggregation_mode == DisaggregationMode.DECODE:
             with self._lock:
                 room = self._d_rooms.get(bootstrap_room)
-                running = room is not None and room.running is not None and not room.running.done()
-                if room is not None and running:
-                    room.fail_after_settle = True
+                running = room is not None and room.fail()
             if running:
                 self.kvsvc.cancel(request_id(bootstrap_room))
                 return
@@ -561,12 +486,12 @@ class KvsvcKVManager(CommonKVManager):
     def transfer_running(self, room_id: int) -> bool:
         with self._lock:
             room = self._d_rooms.get(room_id)
-            return room is not None and room.running is not None and not room.running.done()
+            return room is not None and room.running
 
     def forget_d_room(self, room_id: int) -> None:
         with self._lock:
             room = self._d_rooms.get(room_id)
-            if room is not None and room.running is None:
+            if room is not None and room.transfer is None:  # a transfer's end removes its room
                 del self._d_rooms[room_id]
 
 
