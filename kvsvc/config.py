@@ -101,6 +101,11 @@ class ServerConfig:
     DRAM pools is split across (same-host copies run in the reading thread; two threads
     read a 64 MiB request ~1.5x faster here, see transport/copy_lanes.py). 0: every READ
     runs on the one NIXL thread."""
+    require_rdma_between_nodes: bool = False
+    """On a decode server: READs from a prefill server on another node must use RDMA; one
+    that UCX serves otherwise (TCP) is reported TRANSPORT_DEGRADED (GetInfo's
+    TransportInfo.peers, a warning, kvsvc_peer_read_transport). Within a node, TCP is
+    always reported: shared memory or CUDA IPC was possible."""
     lease_socket: bool = True
     """A prefill server without TLS offers D servers on its host a Unix socket for their
     lease calls (a tenth of a gRPC stream message's cost; see service/lease_socket.py).

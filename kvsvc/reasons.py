@@ -153,6 +153,8 @@ class Reason(enum.StrEnum):
     DATA_PLANE_UNAVAILABLE = "DATA_PLANE_UNAVAILABLE", _UA
     NIXL_UNAVAILABLE = "NIXL_UNAVAILABLE", _UA
     NIXL_ERROR = "NIXL_ERROR", _IN
+    # A warning (TransportInfo.peers, a log line, a metric), never a call's error.
+    TRANSPORT_DEGRADED = "TRANSPORT_DEGRADED", _FP
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED", _DE
     CANCELLED = "CANCELLED", _CA
     UNIMPLEMENTED = "UNIMPLEMENTED", _UI

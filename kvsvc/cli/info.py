@@ -34,6 +34,10 @@ def format_info(info: pb.GetInfoResponse) -> str:
                      + (f", long DRAM READs split over {t.copy_threads} copy threads" if t.copy_threads else ""))
     else:
         lines.append(f"transport   none ({t.unavailable_reason or 'control plane only'})")
+    for peer in t.peers:
+        warn = f"  {peer.warning_reason}: {peer.warning}" if peer.warning_reason else ""
+        lines.append(f"reads from  {peer.address} ({peer.engine_id}, {peer.locality}) over "
+                     f"{', '.join(peer.read_transports)}{warn}")
     for p in info.pools:
         mem = pb.MemoryKind.Name(p.memory_kind).removeprefix("MEMORY_KIND_")
         where = p.shm_name or f"cuda:{p.device_id}"

@@ -33,6 +33,7 @@ from kvsvc.logs import REQUEST_ID
 from kvsvc.reasons import Reason
 from kvsvc.service.legs import Leg, p_servers, servers_needed, settled
 from kvsvc.service.node import Node
+from kvsvc.service.peer_transports import PeerTransports
 from kvsvc.service.peers import PeerCache, Peers, peer_client_options
 from kvsvc.service.stacks import await_chain
 from kvsvc.service.tracing import Clock, mark_error, record_span, server_span
@@ -105,6 +106,8 @@ class Decoder:
     def __init__(self, node: Node, peers: Peers | None = None) -> None:
         self.node = node
         self.peers: Peers = peers if peers is not None else PeerCache(node)
+        self.transports = PeerTransports(node, lambda: node.data.read_paths() if node.data is not None else [],
+                                         node.metrics.peer_transport)
         self.jobs = TransferJobs()
         self._background: set[asyncio.Task[None]] = set()
 
@@ -235,7 +238,9 @@ class Decoder:
                 run = TransferRun(self.node, req, legs, deadline, recorded, self._keep,
                                   quarantine=job.quarantine if job is not None else lambda _events, _nbytes: None)
                 reads = run.plan()
-            return await run.execute(reads)
+            resp = await run.execute(reads)
+            recorded.append(functools.partial(self.transports.observe, [leg.peer for leg in legs]))
+            return resp
 
     @contextlib.contextmanager
     def _lease_back_if_unposted(self, p: pb.TransferParams) -> Iterator[None]:

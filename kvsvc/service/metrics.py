@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvsvc.reasons import Reason
+from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class Metrics:
                                       ["engine", "call"], buckets=SECONDS, registry=r)
         self._handshakes = Counter("kvsvc_handshakes", "Handshakes with P servers, by outcome",
                                    ["engine", "peer_engine", "outcome"], registry=r)
+        self._peer_transports = Gauge("kvsvc_peer_read_transport", "READs from a P server use this UCX transport "
+                                      "(1); degraded: a downgrade, reason TRANSPORT_DEGRADED (GetInfo says why)",
+                                      ["engine", "peer_engine", "transport", "degraded"], registry=r)
         self._rehandshakes = Counter("kvsvc_rehandshakes", "Handshakes again because a P server restarted",
                                      ["engine"], registry=r)
         self._nixl_errors = Counter("kvsvc_nixl_errors", "Transfers that failed in the data plane (NIXL/UCX)",
@@ -114,6 +118,12 @@ class Metrics:
 
     def handshake(self, peer_engine: str, ok: bool) -> None:
         self._child(self._handshakes, self.engine, self._bounded("peer_engine", peer_engine), "ok" if ok else "failed").inc()
+
+    def peer_transport(self, known: pb.PeerTransport) -> None:
+        peer = self._bounded("peer_engine", known.engine_id)
+        for transport in known.read_transports:
+            self._child(self._peer_transports, self.engine, peer, transport,
+                        "true" if known.warning_reason else "false").set(1)
 
     def rehandshake(self) -> None:
         self._child(self._rehandshakes, self.engine).inc()

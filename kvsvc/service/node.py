@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
+import socket
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,17 @@ def nixl_data_plane(engine_id: str, epoch: int, pools: Mapping[int, Pool], copy_
     return NixlDataPlane(engine_id, epoch, pools, copy_lanes=copy_lanes)
 
 
+def node_identity() -> str:
+    """This host as kvsvc tells hosts apart: its hostname and boot id, hashed. Processes in
+    network namespaces of one machine share both, as they share its memory (UCX reaches
+    them through shared memory too)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return hashlib.sha256(f"{socket.gethostname()}|{boot}".encode()).hexdigest()[:16]
+
+
 class Node:
     """One engine's ranks on this node. External pools (embedding mode) replace allocation;
     data_plane makes the data plane over the pools (NIXL unless a test hands in another)."""
@@ -64,6 +78,7 @@ class Node:
         self.side = Side.of(self.layout, config.tp_size)
         self.layout_hash = compatibility_hash(self.layout)
         self.epoch = new_epoch()
+        self.node_id = node_identity()
         self.address = config.advertised_address or config.listen
         self.lease_socket_path = ""  # offered to same-host D servers in the handshake answer
         self.transfer_socket_path = ""  # offered to this server's engine in GetInfo
@@ -227,6 +242,7 @@ class Node:
             transport.backends.extend(self.data.backends)
             transport.ucx_transports.extend(self.data.transports_seen)
             transport.copy_threads = self.data.copy_threads
+        transport.node_id = self.node_id
         return pb.GetInfoResponse(
             engine_id=self.config.engine_id, role=_ROLES[self.config.role], tp_size=self.config.tp_size,
             hosted_ranks=list(self.hosted_ranks), layout=layout_to_proto(self.layout),

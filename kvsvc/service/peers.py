@@ -59,6 +59,8 @@ class Peer:
     users: int = 0
     retired: bool = False
     lease: LeaseChannel | None = None
+    node_id: str = ""  # the peer's host (HandshakeResponse.node_id; "" from an older server)
+    transport: pb.PeerTransport | None = None  # how READs from it travel, once known (peer_transports.py)
 
     @property
     def lease_calls(self) -> LeaseCalls:
@@ -257,7 +259,7 @@ class PeerCache:
                                            MemoryKind.VRAM if h.memory_kind == pb.MEMORY_KIND_VRAM else MemoryKind.DRAM, h.device_id)
                      for h in resp.ranks}
             peer = Peer(address, resp.engine_id, resp.epoch, side, ranks, client,
-                        lease=LeaseChannel(client, resp.lease_socket))
+                        lease=LeaseChannel(client, resp.lease_socket), node_id=resp.node_id)
             try:
                 for h in resp.ranks:
                     for t in node.hosted_ranks:

@@ -95,7 +95,7 @@ def handshake(node: Node, req: pb.HandshakeRequest, peer_names: Sequence[str] = 
         ranks=[pb.RankHandshake(tp_rank=r, agent_name=data.agent_name(r), agent_metadata=data.metadata(r),
                                 regions=node.region_table(r), memory_kind=node.memory_kind(r),
                                 device_id=node.pools[r].device_id) for r in ranks],
-        lease_socket=node.lease_socket_path,
+        lease_socket=node.lease_socket_path, node_id=node.node_id,
     )
 
 

@@ -257,6 +257,9 @@ def _add_gauges(running: RunningServer) -> None:
     m.gauge("kvsvc_waiting_claims", "Claims this P server holds waiting for leases its engine has not made yet",
             lambda: node.leases.arrivals.waiting)
     m.gauge("kvsvc_peers", "P servers this D server has handshaken with", lambda: decoder.peers.cached)
+    m.gauge("kvsvc_transport_degraded_peers", "P servers whose READs use a transport below what the pair should "
+            "use (TRANSPORT_DEGRADED)", lambda: sum(1 for p in decoder.peers.listing()
+                                                    if p.transport is not None and p.transport.warning_reason))
     m.gauge("kvsvc_running_transfers", "Transfers running on this D server", lambda: decoder.jobs.running)
     m.gauge("kvsvc_transfer_records", "Finished transfers this D server remembers with their outcome (WaitTransfer, "
             "retries)", lambda: decoder.jobs.remembered)

@@ -29,7 +29,7 @@ from kvsvc.limits import (
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.reasons import Reason
-from kvsvc.service import prefill
+from kvsvc.service import peer_transports, prefill
 from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, rpc_errors, to_status
@@ -78,6 +78,9 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         info = self.node.info()
         info.engine_servers.extend(self.siblings.known.values())
+        peers = self.decoder.peers.listing()
+        self.decoder.transports.observe(peers)  # what the log says by now, even if no transfer ended since
+        info.transport.peers.extend(peer_transports.listing(peers))
         if not is_engine(self.node, caller_names(context)):
             del info.pools[:]  # shared-memory names and CUDA IPC handles are for the engine only
             info.transfer_socket = ""

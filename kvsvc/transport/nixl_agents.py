@@ -26,7 +26,14 @@ from kvsvc.transport.nixl_thread import NixlThread, TransferError
 from kvsvc.transport.ports import Flight
 from kvsvc.transport.reads import read_maker
 from kvsvc.transport.ucx_cuda import allow_cuda_ipc_reads, bind_cuda_device
-from kvsvc.transport.ucx_probe import enable_protocol_log, forget_environment, read_transports, remove_log
+from kvsvc.transport.ucx_probe import (
+    ReadPath,
+    enable_protocol_log,
+    forget_environment,
+    read_paths,
+    read_transports,
+    remove_log,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +152,10 @@ class NixlDataPlane:
     def transports_seen(self) -> list[str]:
         """UCX transports chosen so far, per operation (see ucx_probe)."""
         return read_transports(self._ucx_log)
+
+    def read_paths(self) -> list[ReadPath]:
+        """UCX's READ protocols chosen so far, per class of peer (see ucx_probe)."""
+        return read_paths(self._ucx_log)
 
     async def start(self) -> None:
         self._ucx_log = enable_protocol_log()  # before UCX reads its environment

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvsvc.memory.pools import MemoryKind
+from kvsvc.transport.ucx_probe import ReadPath
 
 __all__ = ["DataPlane", "Flight", "MemoryKind", "TransferError"]
 
@@ -91,3 +92,5 @@ class DataPlane(Protocol):
 
     @property
     def transports_seen(self) -> list[str]: ...
+
+    def read_paths(self) -> list[ReadPath]: ...

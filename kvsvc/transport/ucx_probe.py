@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvsvc.tempdirs import temp_root
@@ -101,6 +102,73 @@ def parse_transports(text: str) -> list[str]:
                     if part and "/" in part:
                         seen.add(f"{op}:{part.split()[-1] if ' ' in part else part}")
     return sorted(seen)
+
+
+_HEADER = re.compile(r"\|\s*\S+\s+(self|intra-node|inter-node)\s+cfg#\d+\s*\|")
+_READ = re.compile(r"remote memory read by .* into (\w+) memory from (\w+)")
+_CONFIG = re.compile(r"\|\s*[\d.]+(?:\.\.[\w.]+)?\s*\|[^|]*\|([^|]+)\|")
+_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*/[\w.:-]+)")
+
+
+@dataclass(frozen=True)
+class ReadPath:
+    """How UCX serves READs of one class of peer: its locality as UCX sees it ("intra-node"
+    or "inter-node"; "self" is a worker's own), the memory read into and from ("host",
+    "cuda"), and the transports ("cma/memory", "tcp/lo", "rc_mlx5/mlx5_0:1")."""
+
+    locality: str
+    into: str
+    source: str
+    transports: tuple[str, ...]
+
+
+def parse_read_paths(text: str) -> list[ReadPath]:
+    """Every READ protocol table in UCX's protocol log, in order (one per endpoint
+    configuration and memory pair UCX chose a protocol for)."""
+    out: list[ReadPath] = []
+    # The table being read: its peer's locality, its memory pair (a READ table), its transports.
+    locality = ""
+    read: tuple[str, str] | None = None
+    transports: list[str] = []
+    for line in text.splitlines():
+        if (m := _HEADER.search(line)) is not None:
+            if read is not None and transports:
+                out.append(ReadPath(locality, read[0], read[1], tuple(dict.fromkeys(transports))))
+            locality, read, transports = m.group(1), None, []
+        elif (m := _READ.search(line)) is not None:
+            read = (m.group(1), m.group(2))
+        elif read is not None and (m := _CONFIG.search(line)) is not None:
+            transports += _TRANSPORT.findall(m.group(1))
+    if read is not None and transports:
+        out.append(ReadPath(locality, read[0], read[1], tuple(dict.fromkeys(transports))))
+    return out
+
+
+# RDMA transports' names begin so (rc_mlx5, dc_mlx5, ud_verbs, srd, gga).
+RDMA_PREFIXES = ("rc", "dc", "ud", "srd", "gga")
+
+
+def degraded_because(path: ReadPath, *, require_rdma: bool) -> str:
+    """Why READs on this path are a downgrade ("" when they are not): within the node over
+    TCP (shared memory or CUDA IPC was possible; vLLM #51377 found exactly this), or between
+    nodes without RDMA where the operator requires it."""
+    names = [t.split("/", 1)[0] for t in path.transports]
+    if path.locality in ("intra-node", "self"):
+        if "tcp" in names:
+            return (f"READs within the node from {path.source} into {path.into} memory go over TCP "
+                    f"({', '.join(path.transports)}), not shared memory or CUDA IPC")
+        return ""
+    if require_rdma and not any(n.startswith(RDMA_PREFIXES) for n in names):
+        return (f"READs between nodes from {path.source} into {path.into} memory use "
+                f"{', '.join(path.transports)}, not RDMA (require_rdma_between_nodes is set)")
+    return ""
+
+
+def read_paths(path: Path | None) -> list[ReadPath]:
+    if path is None or not path.exists():
+        return []
+    _flush_stdio()
+    return parse_read_paths(path.read_text(errors="replace"))
 
 
 def read_transports(path: Path | None) -> list[str]:

@@ -156,6 +156,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_ETCD_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_ETCD_WATCH_BROKEN: _ClassVar[ErrorReason]
     ERROR_REASON_TOO_MANY_WAITING_CLAIMS: _ClassVar[ErrorReason]
+    ERROR_REASON_TRANSPORT_DEGRADED: _ClassVar[ErrorReason]
 
 class NotifyKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -318,6 +319,7 @@ ERROR_REASON_ETCD_ERROR: ErrorReason
 ERROR_REASON_ETCD_UNAVAILABLE: ErrorReason
 ERROR_REASON_ETCD_WATCH_BROKEN: ErrorReason
 ERROR_REASON_TOO_MANY_WAITING_CLAIMS: ErrorReason
+ERROR_REASON_TRANSPORT_DEGRADED: ErrorReason
 NOTIFY_KIND_UNSPECIFIED: NotifyKind
 NOTIFY_KIND_CONSUMED: NotifyKind
 NOTIFY_KIND_ABORTED: NotifyKind
@@ -511,20 +513,40 @@ class CudaIpc(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
-    __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason", "copy_threads")
+    __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason", "copy_threads", "node_id", "peers")
     NIXL_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     UCX_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     NIXL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
     COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     nixl_available: bool
     backends: _containers.RepeatedScalarFieldContainer[str]
     ucx_transports: _containers.RepeatedScalarFieldContainer[str]
     nixl_version: str
     unavailable_reason: str
     copy_threads: int
-    def __init__(self, nixl_available: _Optional[bool] = ..., backends: _Optional[_Iterable[str]] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., nixl_version: _Optional[str] = ..., unavailable_reason: _Optional[str] = ..., copy_threads: _Optional[int] = ...) -> None: ...
+    node_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerTransport]
+    def __init__(self, nixl_available: _Optional[bool] = ..., backends: _Optional[_Iterable[str]] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., nixl_version: _Optional[str] = ..., unavailable_reason: _Optional[str] = ..., copy_threads: _Optional[int] = ..., node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTransport, _Mapping]]] = ...) -> None: ...
+
+class PeerTransport(_message.Message):
+    __slots__ = ("address", "engine_id", "locality", "read_transports", "warning_reason", "warning")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    READ_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    WARNING_REASON_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    engine_id: str
+    locality: str
+    read_transports: _containers.RepeatedScalarFieldContainer[str]
+    warning_reason: str
+    warning: str
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., locality: _Optional[str] = ..., read_transports: _Optional[_Iterable[str]] = ..., warning_reason: _Optional[str] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -597,20 +619,22 @@ class RankHandshake(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "epoch", "tp_size", "layout", "ranks", "lease_socket")
+    __slots__ = ("engine_id", "epoch", "tp_size", "layout", "ranks", "lease_socket", "node_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     tp_size: int
     layout: KvLayout
     ranks: _containers.RepeatedCompositeFieldContainer[RankHandshake]
     lease_socket: str
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankHandshake, _Mapping]]] = ..., lease_socket: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankHandshake, _Mapping]]] = ..., lease_socket: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("block_ids",)

@@ -55,8 +55,14 @@ async def test_a_transfer_between_two_hosts_is_exact(p_tp, d_tp, layout, env):
         async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
             await transfer_and_check(s, "x-1", [[5, 9, 2, 11]], [[0, 3, 4, 7]])
             await transfer_and_check(s, "x-2", [[1, 2, 3]], [[10, 11, 12]])
-            reads = [t for t in (await s.dc.get_info()).transport.ucx_transports if t.startswith("rma_get:")]
+            info = await s.dc.get_info()
+            reads = [t for t in info.transport.ucx_transports if t.startswith("rma_get:")]
         assert reads, "GetInfo names the transport of D's READs"
+        # Each host is a node of its own (hostname and boot id), as UCX sees it too: READs over the
+        # link are no downgrade when RDMA is not asked for.
+        [peer] = info.transport.peers
+        assert (peer.address, peer.locality, peer.warning_reason) == (p.address, "inter-node", ""), peer
+        assert {t.split("/")[0] for t in peer.read_transports} == {t.split(":")[1].split("/")[0] for t in reads}
         assert not [t for t in reads if t.split(":")[1].split("/")[0] in SAME_HOST_TRANSPORTS], reads
         if env.get("UCX_TLS") == "tcp":
             assert all(t.startswith("rma_get:tcp/") for t in reads), reads
