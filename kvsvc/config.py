@@ -101,6 +101,11 @@ class ServerConfig:
     DRAM pools is split across (same-host copies run in the reading thread; two threads
     read a 64 MiB request ~1.5x faster here, see transport/copy_lanes.py). 0: every READ
     runs on the one NIXL thread."""
+    content_digest: bool = False
+    """A digest of every leased block's bytes, taken by P when the lease is made and checked
+    by D against what landed (service/content.py): a difference fails the transfer
+    (DIGEST_MISMATCH) instead of serving it. Both servers need it on. Host memory only. Off
+    by default: benchmarks/content_digest.py measures what it costs against the READ."""
     require_rdma_between_nodes: bool = False
     """On a decode server: READs from a prefill server on another node must use RDMA; one
     that UCX serves otherwise (TCP) is reported TRANSPORT_DEGRADED (GetInfo's

@@ -120,6 +120,12 @@ class Internal(KvsvcError):
     code = ErrorCode.INTERNAL
 
 
+class DataLoss(KvsvcError):
+    """Bytes arrived that differ from what was sent (DIGEST_MISMATCH)."""
+
+    code = ErrorCode.DATA_LOSS
+
+
 def lease_not_yet_made(e: BaseException) -> bool:
     """P has never heard of the lease (and keeps no tombstone of it): not made yet -- params
     with lease_pending are handed out before the engine's servers lease the blocks -- or

@@ -32,11 +32,13 @@ class ErrorCode(enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     INTERNAL = "INTERNAL"
+    DATA_LOSS = "DATA_LOSS"
 
 
 _IA, _FP, _PD = ErrorCode.INVALID_ARGUMENT, ErrorCode.FAILED_PRECONDITION, ErrorCode.PERMISSION_DENIED
 _UA, _DE, _IN, _AE = ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.INTERNAL, ErrorCode.ALREADY_EXISTS
 _RE, _CA, _UI = ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.CANCELLED, ErrorCode.UNIMPLEMENTED
+_DL = ErrorCode.DATA_LOSS
 
 
 class Reason(enum.StrEnum):
@@ -155,6 +157,7 @@ class Reason(enum.StrEnum):
     NIXL_ERROR = "NIXL_ERROR", _IN
     # A warning (TransportInfo.peers, a log line, a metric), never a call's error.
     TRANSPORT_DEGRADED = "TRANSPORT_DEGRADED", _FP
+    DIGEST_MISMATCH = "DIGEST_MISMATCH", _DL
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED", _DE
     CANCELLED = "CANCELLED", _CA
     UNIMPLEMENTED = "UNIMPLEMENTED", _UI

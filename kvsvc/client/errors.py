@@ -9,6 +9,7 @@ from grpc_status import rpc_status
 
 from kvsvc.errors import (
     Cancelled,
+    DataLoss,
     DeadlineExceeded,
     ErrorCode,
     FailedPrecondition,
@@ -38,6 +39,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvsvcError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
 }
 
 

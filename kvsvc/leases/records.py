@@ -10,6 +10,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +71,7 @@ class Lease:
     published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
     serial: int = 0  # this lease among every lease this table made: one id leased again is another lease
+    content: Any = None  # the blocks' content digests as they are taken (service/content.py), when taken
 
 
 def claim_digest(claim_id: str) -> bytes:

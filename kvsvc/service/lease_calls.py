@@ -63,6 +63,8 @@ class LeaseCallAnswers:
         body = getattr(call, which) if which else None
         with traced(which or "none", body, self._context(call)):
             try:
+                if which == "claim" and call.claim.want_content:  # its digests may still be taken
+                    return self._later(call, names)
                 if which == "claim":
                     return pb.LeaseAnswer(call_id=call.call_id, claim=prefill.claim(self.node, call.claim, names))
                 if which == "notify":

@@ -11,7 +11,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvsvc.codec import bad_field
@@ -140,6 +140,7 @@ class Leg:
     d_ranks: list[int]
     claim: ClaimState = ClaimState.NOT_SENT
     clock: LeaseClock | None = None
+    content: list[pb.BlockContent] = field(default_factory=list)  # P's digests of its blocks, where asked for
 
     @property
     def may_hold(self) -> bool:
@@ -171,6 +172,7 @@ class Ownership:
     dcp_size: int = 1
     traceparent: str = ""  # the transfer's trace context, passed with every lease call
     blocks_digest: bytes = b""  # of the params' blocks: P refuses a claim for other blocks than its lease's
+    want_content: bool = False  # ask P for its blocks' content digests (content_digest)
 
     def notify(self, kind: pb.NotifyKind, epoch: int, done_ranks: list[int] | None = None) -> pb.NotifyRequest:
         """A notification to the P server of epoch `epoch` (each server of an engine has its own)."""
@@ -186,7 +188,7 @@ def _claim_request(leg: Leg, own: Ownership, consumed: bool) -> pb.ClaimLeaseReq
         request_id=p.remote_request_id, lease_epoch=leg.peer.epoch, engine_id=own.engine_id,
         tp_size=own.tp_size, lease_token=p.lease_token, claim_id=own.claim_id, ranks=leg.d_ranks,
         dcp_size=own.dcp_size, consumed=consumed, blocks_digest=own.blocks_digest,
-        lease_serial=_lease_serial(p, leg.peer.address))
+        lease_serial=_lease_serial(p, leg.peer.address), want_content=own.want_content)
 
 
 async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed: bool = False) -> None:
@@ -229,6 +231,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
             await asyncio.sleep(pause)
             pause = min(2 * pause, PENDING_RETRY_MAX_S)
         leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
+        leg.content = list(resp.content)
         if consumed and resp.state == pb.LEASE_STATE_UNSPECIFIED:
             # A P server older than `consumed` took it as a plain claim: the grant proves the
             # bytes all the same (the lease was live), but P's blocks wait for a CONSUMED.

@@ -56,6 +56,9 @@ class Metrics:
         self._peer_transports = Gauge("kvsvc_peer_read_transport", "READs from a P server use this UCX transport "
                                       "(1); degraded: a downgrade, reason TRANSPORT_DEGRADED (GetInfo says why)",
                                       ["engine", "peer_engine", "transport", "degraded"], registry=r)
+        self._content = Counter("kvsvc_content_checked_blocks", "P blocks whose content digest D checked against "
+                                "what landed (result: checked, unchecked -- not read whole, or P sent none -- "
+                                "or mismatch: the transfer failed DIGEST_MISMATCH)", ["engine", "result"], registry=r)
         self._rehandshakes = Counter("kvsvc_rehandshakes", "Handshakes again because a P server restarted",
                                      ["engine"], registry=r)
         self._nixl_errors = Counter("kvsvc_nixl_errors", "Transfers that failed in the data plane (NIXL/UCX)",
@@ -124,6 +127,13 @@ class Metrics:
         for transport in known.read_transports:
             self._child(self._peer_transports, self.engine, peer, transport,
                         "true" if known.warning_reason else "false").set(1)
+
+    def content_checked(self, checked: int, unchecked: int) -> None:
+        self._child(self._content, self.engine, "checked").inc(checked)
+        self._child(self._content, self.engine, "unchecked").inc(unchecked)
+
+    def content_mismatch(self) -> None:
+        self._child(self._content, self.engine, "mismatch").inc()
 
     def rehandshake(self) -> None:
         self._child(self._rehandshakes, self.engine).inc()

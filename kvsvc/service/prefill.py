@@ -31,6 +31,7 @@ from kvsvc.mapping.geometry import check_block_ids
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.reasons import Reason
+from kvsvc.service import content
 from kvsvc.service.auth import require_engine, require_peer
 from kvsvc.service.node import Node
 from kvsvc.service.siblings import Siblings
@@ -106,6 +107,8 @@ def _ttl_s(ms: int) -> float | None:
 async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) -> pb.PublishBlocksResponse:
     """Lease the blocks here (and, for the engine's own call, on every sibling server)."""
     lease, groups = lease_here(node, req)
+    if lease.content is not None:  # the digests are of the bytes as they are when this answers
+        await asyncio.shield(lease.content)
     servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch,
                                lease_serial=lease.serial)]
     if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
@@ -140,6 +143,7 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     _check_num_tokens(node, req.num_tokens, groups)
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
                                 num_tokens=req.num_tokens)
+    content.take(node, lease)
     return lease, groups
 
 
@@ -168,7 +172,7 @@ async def claim_when_made(node: Node, req: pb.ClaimLeaseRequest,
     deadline = time.monotonic() + req.wait_ms / 1000
     while True:
         try:
-            return claim(node, req, peer_names)
+            return await content.answer(*claimed(node, req, peer_names), req=req)
         except KvsvcError as e:
             left = deadline - time.monotonic()
             if not lease_not_yet_made(e) or left <= 0:
@@ -177,7 +181,13 @@ async def claim_when_made(node: Node, req: pb.ClaimLeaseRequest,
 
 
 def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ()) -> pb.ClaimLeaseResponse:
-    """A claim answered now (wait_ms is claim_when_made's)."""
+    """A claim answered now (wait_ms and want_content are claim_when_made's)."""
+    return claimed(node, req, peer_names)[1]
+
+
+def claimed(node: Node, req: pb.ClaimLeaseRequest,
+            peer_names: Sequence[str] = ()) -> tuple[Lease | None, pb.ClaimLeaseResponse]:
+    """The lease a claim found (None: consumed before, by this claim's retry) and its answer."""
     node.require_role(Role.PREFILL, "ClaimLease")
     require_peer(node, req.engine_id, peer_names, "claim leases")
     _check_lease_ids(req)
@@ -200,10 +210,10 @@ def claim(node: Node, req: pb.ClaimLeaseRequest, peer_names: Sequence[str] = ())
                                      extend_s=_ttl_s(req.extend_ms), d_dcp_size=d_dcp, consumed=req.consumed,
                                      digest=req.blocks_digest, serial=req.lease_serial)
     if lease is None or lease.state.released:  # None: this claim consumed it before (a retry)
-        return pb.ClaimLeaseResponse(state=pb.LEASE_STATE_CONSUMED)
-    return pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
-                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)),
-                                 state=pb.LEASE_STATE_CLAIMED)
+        return lease, pb.ClaimLeaseResponse(state=pb.LEASE_STATE_CONSUMED)
+    return lease, pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
+                                        lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)),
+                                        state=pb.LEASE_STATE_CLAIMED)
 
 
 def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:

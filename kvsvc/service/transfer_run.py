@@ -10,7 +10,8 @@ A TransferRun goes through its phases in order:
    while it runs (the claim extends the lease, heartbeats keep it, a router can no longer
    abort it);
 4. confirm -- one lease message: claim-and-consumed after short READs, or the confirm of
-   the early claim.
+   the early claim; with content_digest, D hashes what landed meanwhile and checks it
+   against the digests P answered the claim with (service/content.py).
 
 Any failure from post on takes one path (_failed, then _fail): the READs settle before
 anything else is said, P's answer to a claim is learnt, every P server is told to let go,
@@ -46,6 +47,7 @@ from kvsvc.errors import (
 from kvsvc.leases.table import blocks_digest
 from kvsvc.mapping.planner import RankPlan
 from kvsvc.reasons import Reason
+from kvsvc.service import content
 from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_all, confirm_all, heartbeat
 from kvsvc.service.node import Node
 from kvsvc.service.peers import RemoteRank
@@ -133,7 +135,9 @@ class TransferRun:
         reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
         self.marks.append(("plan", time.perf_counter()))
         self.own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16),
-                             node.layout.dcp_size, traceparent(self.span), blocks_digest(remote_ids, p.remote_num_tokens))
+                             node.layout.dcp_size, traceparent(self.span), blocks_digest(remote_ids, p.remote_num_tokens),
+                             want_content=node.config.content_digest)
+        self.remote_ids = remote_ids
         return reads
 
     async def execute(self, reads: list[Read]) -> pb.TransferResponse:
@@ -144,7 +148,14 @@ class TransferRun:
             self.marks.append(("post", time.perf_counter()))
             await self._wait()
             self.marks.append(("reads", time.perf_counter()))
-            await self._confirm()
+            landed = self._hash_landed(reads)  # on a worker thread, while P confirms
+            try:
+                await self._confirm()
+            finally:
+                if landed is not None:
+                    landed_digests = await asyncio.shield(landed)
+            if landed is not None:
+                self._check_content(landed_digests)
         except BaseException as e:
             # Run to its end even if the job is cancelled meanwhile: the job ends (and its
             # request is reported settled) only once no READ of it can still write.
@@ -217,6 +228,23 @@ class TransferRun:
                                      {"request_id": self.p.remote_request_id})
         await confirm_all(self.legs, self.own, self.rpc_timeout())
         self.recorded.append(functools.partial(self.node.metrics.lease_call, "confirm", time.perf_counter() - sent))
+
+    # ---- content digests --------------------------------------------------------------
+
+    def _hash_landed(self, reads: list[Read]) -> asyncio.Future[dict[int, tuple[dict[tuple[int, int], int], int]]] | None:
+        if not self.node.config.content_digest:
+            return None
+        p_regions = self.legs[0].peer.side.pool.regions
+        return asyncio.get_running_loop().run_in_executor(None, content.landed, self.node, p_regions, reads)
+
+    def _check_content(self, landed: dict[int, tuple[dict[tuple[int, int], int], int]]) -> None:
+        sent = [c for leg in self.legs for c in leg.content]
+        try:
+            checked, unchecked = content.check(self.req.request_id, self.remote_ids, sent, landed)
+        except KvsvcError:
+            self.recorded.append(self.node.metrics.content_mismatch)
+            raise
+        self.recorded.append(functools.partial(self.node.metrics.content_checked, checked, unchecked))
 
     # ---- the answer -----------------------------------------------------------------
 

@@ -157,6 +157,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_ETCD_WATCH_BROKEN: _ClassVar[ErrorReason]
     ERROR_REASON_TOO_MANY_WAITING_CLAIMS: _ClassVar[ErrorReason]
     ERROR_REASON_TRANSPORT_DEGRADED: _ClassVar[ErrorReason]
+    ERROR_REASON_DIGEST_MISMATCH: _ClassVar[ErrorReason]
 
 class NotifyKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -320,6 +321,7 @@ ERROR_REASON_ETCD_UNAVAILABLE: ErrorReason
 ERROR_REASON_ETCD_WATCH_BROKEN: ErrorReason
 ERROR_REASON_TOO_MANY_WAITING_CLAIMS: ErrorReason
 ERROR_REASON_TRANSPORT_DEGRADED: ErrorReason
+ERROR_REASON_DIGEST_MISMATCH: ErrorReason
 NOTIFY_KIND_UNSPECIFIED: NotifyKind
 NOTIFY_KIND_CONSUMED: NotifyKind
 NOTIFY_KIND_ABORTED: NotifyKind
@@ -703,7 +705,7 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial", "wait_ms")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial", "wait_ms", "want_content")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -717,6 +719,7 @@ class ClaimLeaseRequest(_message.Message):
     BLOCKS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_SERIAL_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    WANT_CONTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
@@ -730,17 +733,34 @@ class ClaimLeaseRequest(_message.Message):
     blocks_digest: bytes
     lease_serial: int
     wait_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ..., blocks_digest: _Optional[bytes] = ..., lease_serial: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    want_content: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., extend_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., claim_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., dcp_size: _Optional[int] = ..., consumed: _Optional[bool] = ..., blocks_digest: _Optional[bytes] = ..., lease_serial: _Optional[int] = ..., wait_ms: _Optional[int] = ..., want_content: _Optional[bool] = ...) -> None: ...
 
 class ClaimLeaseResponse(_message.Message):
-    __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms", "state")
+    __slots__ = ("lease_expires_unix_ms", "lease_remaining_ms", "state", "content")
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     lease_expires_unix_ms: int
     lease_remaining_ms: int
     state: LeaseState
-    def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ...) -> None: ...
+    content: _containers.RepeatedCompositeFieldContainer[BlockContent]
+    def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ..., content: _Optional[_Iterable[_Union[BlockContent, _Mapping]]] = ...) -> None: ...
+
+class BlockContent(_message.Message):
+    __slots__ = ("rank", "groups")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupContent]
+    def __init__(self, rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupContent, _Mapping]]] = ...) -> None: ...
+
+class GroupContent(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InlineRemote(_message.Message):
     __slots__ = ("layout", "tp_size")
