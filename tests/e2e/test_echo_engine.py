@@ -20,8 +20,10 @@ def test_a_third_engine_in_one_file_moves_its_kv_and_gets_its_blocks_back_once()
             d._take(3)  # D's first free blocks differ from P's: the bytes must land where D says
             tokens = [17, 4, 99, 23, 5, 61, 8, 42, 11, 7]
             params = p.prefill("echo-1", tokens)
+            with p.freed:  # held until D is done with them (then released on P's loop thread)
+                assert p.held["echo-1"] == [0, 1, 2]
             blocks = d.load("d-echo-1", params, len(tokens))
-            assert blocks == [3, 4, 5] and p.held["echo-1"] == [0, 1, 2]
+            assert blocks == [3, 4, 5]
             for layer in range(LAYERS):
                 assert np.array_equal(d.read(blocks, len(tokens), layer), token_kv(tokens, layer))
                 assert not d.kv[layer][6:].any() and not d.kv[layer][:3].any()  # nothing else written
