@@ -72,6 +72,7 @@ class Lease:
     digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
     serial: int = 0  # this lease among every lease this table made: one id leased again is another lease
     content: Any = None  # the blocks' content digests as they are taken (service/content.py), when taken
+    fault: str = ""  # a fault this lease gets (service/faults.py; tests only)
 
 
 def claim_digest(claim_id: str) -> bytes:

@@ -59,6 +59,8 @@ class Metrics:
         self._content = Counter("kvsvc_content_checked_blocks", "P blocks whose content digest D checked against "
                                 "what landed (result: checked, unchecked -- not read whole, or P sent none -- "
                                 "or mismatch: the transfer failed DIGEST_MISMATCH)", ["engine", "result"], registry=r)
+        self._faults = Counter("kvsvc_injected_faults", "Faults this server injected (KVSVC_FAULTS: tests only)",
+                               ["engine", "point"], registry=r)
         self._rehandshakes = Counter("kvsvc_rehandshakes", "Handshakes again because a P server restarted",
                                      ["engine"], registry=r)
         self._nixl_errors = Counter("kvsvc_nixl_errors", "Transfers that failed in the data plane (NIXL/UCX)",
@@ -134,6 +136,9 @@ class Metrics:
 
     def content_mismatch(self) -> None:
         self._child(self._content, self.engine, "mismatch").inc()
+
+    def fault_injected(self, point: str) -> None:
+        self._child(self._faults, self.engine, point).inc()
 
     def rehandshake(self) -> None:
         self._child(self._rehandshakes, self.engine).inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from kvsvc.leases.table import LeaseTable
 from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
 from kvsvc.memory.pools import CudaPool, ExternalPool, MemoryKind, Pool, RegionBuffersPool, ShmPool, shm_name_for
 from kvsvc.reasons import Reason
+from kvsvc.service.faults import Faults
 from kvsvc.service.metrics import Metrics
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.transport.ports import DataPlane
@@ -79,6 +81,7 @@ class Node:
         self.layout_hash = compatibility_hash(self.layout)
         self.epoch = new_epoch()
         self.node_id = node_identity()
+        self.faults = Faults.from_environment(os.environ)  # tests only (service/faults.py)
         self.address = config.advertised_address or config.listen
         self.lease_socket_path = ""  # offered to same-host D servers in the handshake answer
         self.transfer_socket_path = ""  # offered to this server's engine in GetInfo
@@ -89,6 +92,8 @@ class Node:
         self._data_plane = data_plane
         self.data_error = ""
         self.metrics = Metrics(config.engine_id)
+        if self.faults is not None:
+            self.faults.on_inject = self.metrics.fault_injected
         self.leases = LeaseTable(self.epoch, self.hosted_ranks, config.tp_size, config.lease_ttl_s,
                                  config.max_lease_ttl_s, on_live_change=self._leases_live,
                                  on_release=lambda reason: self.metrics.released(reason.value),
@@ -233,7 +238,7 @@ class Node:
         return out
 
     def info(self) -> pb.GetInfoResponse:
-        caps = ["plan"]
+        caps = ["plan"] + (["faults"] if self.faults is not None else [])
         if self.data is not None:
             caps += ["transfer", "leases", "handshake"]
         transport = pb.TransportInfo(nixl_available=self.data is not None, nixl_version=nixl_version(),

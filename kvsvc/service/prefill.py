@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 from collections.abc import Sequence
 
@@ -30,6 +31,7 @@ from kvsvc.mapping.dcp import request_blocks
 from kvsvc.mapping.geometry import check_block_ids
 from kvsvc.mapping.planner import Side, validate_pair
 from kvsvc.mapping.topology import tp_ratio
+from kvsvc.memory.pools import MemoryKind
 from kvsvc.reasons import Reason
 from kvsvc.service import content
 from kvsvc.service.auth import require_engine, require_peer
@@ -144,6 +146,8 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
                                 num_tokens=req.num_tokens)
     content.take(node, lease)
+    if node.faults is not None:
+        _fault_of(node, lease)
     return lease, groups
 
 
@@ -202,6 +206,8 @@ def claimed(node: Node, req: pb.ClaimLeaseRequest,
         raise too_big("blocks_digest", len(req.blocks_digest), MAX_DIGEST_BYTES, "bytes")
     if req.wait_ms > MAX_WAIT_MS:
         raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
+    if node.faults is not None:
+        _release_if_faulted(node, req.request_id)
     d_dcp = req.dcp_size or 1
     if d_dcp not in (1, req.tp_size):
         raise bad_field("dcp_size", f"is {d_dcp} but must be 1 or the D TP size {req.tp_size}", Reason.INVALID_DCP_SIZE)
@@ -214,6 +220,46 @@ def claimed(node: Node, req: pb.ClaimLeaseRequest,
     return lease, pb.ClaimLeaseResponse(lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at),
                                         lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)),
                                         state=pb.LEASE_STATE_CLAIMED)
+
+
+# ---- injected faults (service/faults.py: tests only) ---------------------------------------
+
+def _fault_of(node: Node, lease: Lease) -> None:
+    """The lease's fault: lease_released is applied when D claims; block_rewritten now, once
+    the lease's digests (if taken) were taken -- as an engine that reuses a leased block."""
+    assert node.faults is not None
+    lease.fault = node.faults.next_lease() or ""
+    if lease.fault != "block_rewritten":
+        return
+    faults = node.faults
+
+    def rewrite(_taken: object = None) -> None:
+        faults.injected_now("block_rewritten")
+        for rank in node.hosted_ranks:
+            pool = node.pools[rank]
+            if pool.memory_kind is not MemoryKind.DRAM or not len(lease.block_ids[0]):
+                continue
+            region = next(r for r in node.side.pool.regions if r.group_index == 0)
+            at = pool.region_address(region) + int(lease.block_ids[0][0]) * region.block_stride
+            block = (ctypes.c_ubyte * min(64, region.block_len)).from_address(at)
+            for i in range(len(block)):
+                block[i] ^= 0xFF
+
+    if lease.content is not None:
+        lease.content.add_done_callback(rewrite)
+    else:
+        rewrite()
+
+
+def _release_if_faulted(node: Node, request_id: str) -> None:
+    """lease_released: the lease is aborted (as a router's abort or an expiry would end it)
+    just before D's claim reaches it."""
+    assert node.faults is not None
+    for lease in node.leases.lookup([request_id]):
+        if lease.fault == "lease_released":
+            lease.fault = ""
+            node.faults.injected_now("lease_released")
+            node.leases.notify(lease.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token)
 
 
 def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:

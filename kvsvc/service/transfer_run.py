@@ -23,6 +23,7 @@ published, and frees blocks only on release (docs/RELIABILITY.md, promise 1).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import logging
 import secrets
@@ -36,6 +37,7 @@ from opentelemetry import trace
 
 from kvsvc.codec import block_ids_from_proto
 from kvsvc.errors import (
+    Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -46,6 +48,7 @@ from kvsvc.errors import (
 )
 from kvsvc.leases.table import blocks_digest
 from kvsvc.mapping.planner import RankPlan
+from kvsvc.memory.pools import MemoryKind
 from kvsvc.reasons import Reason
 from kvsvc.service import content
 from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_all, confirm_all, heartbeat
@@ -138,6 +141,7 @@ class TransferRun:
                              node.layout.dcp_size, traceparent(self.span), blocks_digest(remote_ids, p.remote_num_tokens),
                              want_content=node.config.content_digest)
         self.remote_ids = remote_ids
+        self.fault = node.faults.next_transfer() if node.faults is not None else None
         return reads
 
     async def execute(self, reads: list[Read]) -> pb.TransferResponse:
@@ -146,8 +150,12 @@ class TransferRun:
         try:
             await self._post(reads)
             self.marks.append(("post", time.perf_counter()))
+            self._inject("cancel_mid_read")
             await self._wait()
             self.marks.append(("reads", time.perf_counter()))
+            self._inject("read_error")
+            if self._inject("corrupt_landed"):
+                _flip_a_landed_byte(self.node, reads)
             landed = self._hash_landed(reads)  # on a worker thread, while P confirms
             try:
                 await self._confirm()
@@ -222,12 +230,31 @@ class TransferRun:
             await claim_all(self.legs, self.own, self.rpc_timeout(), consumed=True)
             self.recorded.append(functools.partial(self.node.metrics.lease_call, "claim_consumed",
                                                    time.perf_counter() - sent))
+            self._inject("claim_lost")
             return
         if any(leg.clock is not None and leg.clock.expired for leg in self.legs):
             raise FailedPrecondition(Reason.LEASE_EXPIRED, "the reads finished after the lease ran out",
                                      {"request_id": self.p.remote_request_id})
         await confirm_all(self.legs, self.own, self.rpc_timeout())
         self.recorded.append(functools.partial(self.node.metrics.lease_call, "confirm", time.perf_counter() - sent))
+        self._inject("claim_lost")
+
+    # ---- injected faults (service/faults.py: tests only) -------------------------------
+
+    def _inject(self, point: str) -> bool:
+        """This transfer's fault, at its point: the failure it stands for is raised here
+        (corrupt_landed: True, the caller flips a byte)."""
+        if self.fault != point:
+            return False
+        assert self.node.faults is not None
+        self.node.faults.injected_now(point)
+        if point == "cancel_mid_read":
+            raise Cancelled("injected fault: the transfer is given up while its READs run")
+        if point == "read_error":
+            raise KvsvcError(Reason.NIXL_ERROR, "injected fault: a READ failed")
+        if point == "claim_lost":
+            raise Unreachable("injected fault: the answer to the claim was lost")
+        return True
 
     # ---- content digests --------------------------------------------------------------
 
@@ -406,6 +433,15 @@ class TransferRun:
         """When a failed transfer's answer is due: its deadline (the caller's less the margin)
         plus half the least margin, the other half left for the answer to reach the caller."""
         return self.deadline + MIN_DEADLINE_MARGIN_S / 2
+
+
+def _flip_a_landed_byte(node: Node, reads: list[Read]) -> None:
+    """corrupt_landed: the first byte the first READ into host memory landed, inverted."""
+    for t, (_rr, la, _ra, ln) in reads:
+        if len(ln) and node.pools[t].memory_kind is MemoryKind.DRAM:
+            byte = ctypes.c_ubyte.from_address(int(la[0]))
+            byte.value ^= 0xFF
+            return
 
 
 def _addresses(node: Node, ranks: dict[int, RemoteRank],

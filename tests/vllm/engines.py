@@ -131,14 +131,15 @@ class Engine:
     """One vLLM engine (LLM) in a process of its own; generate() returns its outputs."""
 
     def __init__(self, name: str, model: Path, logs: Path, *, tp: int = 1,
-                 connector: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None) -> None:
+                 connector: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.name = name
         # Unbound, one OpenMP thread per worker: with several engines on two cores, workers pinned
         # to a core (vLLM's default) starve whatever else shares it, and a TP-2 NixlConnector
         # engine was seen to hang so.
         # Insecure serialization: collective_rpc with a function of this module (kvsvc_totals).
         env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
-                   VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+                   VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(extra_env or {}))
         # An embedded kvsvc server of this test process points UCX's log at its private
         # directory through the environment; an engine must not inherit that (the directory
         # goes with the server, and UCX in a NixlConnector worker then fails to start).

@@ -1,0 +1,79 @@
+"""The engine-level fault matrix, vLLM's rows: a real vLLM P/D pair through kvsvc with faults
+injected at exact points of kvsvc's data plane and lease table (service/faults.py), every
+answer compared token for token with the aggregated engine.
+
+One request at a time, so that the n-th request is the D server's n-th transfer and the P
+server's n-th lease: the fault cycles below give each request at most one fault, in turn
+at every point, and leave some requests untouched. Every answer must equal the
+aggregated run's tokens (a failed load is recomputed by vLLM, kv_load_failure_policy
+"recompute"); every fault must end its transfer as a typed failure (D's failed count); and
+at the end neither engine holds a KV block (P got every lease back, D every block).
+
+Content digests are on: two of the points (a byte flipped where a READ landed, a leased
+block the engine rewrites) can only be caught by them. KVSVC_CHAOS_ENGINE_REQUESTS sets
+the number of requests (make test-full runs more).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.vllm.compare import same
+from tests.vllm.engines import Engine, Engines, kvsvc
+from tests.vllm.prompts import PROMPTS
+from tests.vllm.test_connector import prefill
+
+pytestmark = pytest.mark.timeout(1800)
+
+# The i-th transfer (D) and lease (P) get the fault at i % 8 of their cycle: each request at
+# most one fault, the last two requests of each eight none.
+D_CYCLE = ["read_error", "cancel_mid_read", "claim_lost", "corrupt_landed", "-", "-", "-", "-"]
+P_CYCLE = ["-", "-", "-", "-", "lease_released", "block_rewritten", "-", "-"]
+REQUESTS = int(os.environ.get("KVSVC_CHAOS_ENGINE_REQUESTS", "16"))
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # a rewritten block must not outlive its request
+
+
+@pytest.fixture(scope="module")
+def faulty(engines: Engines, reference):
+    started = [
+        Engine("chaos-p", engines.model, engines.logs, connector=kvsvc("kv_producer", content_digest=True),
+               engine_args=NO_PREFIX_CACHE, extra_env={"KVSVC_FAULTS": ",".join(P_CYCLE)}),
+        Engine("chaos-d", engines.model, engines.logs, connector=kvsvc("kv_consumer", content_digest=True),
+               engine_args=NO_PREFIX_CACHE, extra_env={"KVSVC_FAULTS": ",".join(D_CYCLE)})]
+    try:
+        for e in started:
+            e.wait_ready()
+        yield started
+    finally:
+        for e in started:
+            e.stop()
+
+
+def expected_faults(n: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in range(n):
+        for cycle in (D_CYCLE, P_CYCLE):
+            point = cycle[i % len(cycle)]
+            if point != "-":
+                out[point] = out.get(point, 0) + 1
+    return out
+
+
+def test_every_fault_ends_typed_every_answer_is_token_exact_and_nothing_is_held(faulty, reference):
+    P, D = faulty
+    before = D.kvsvc_totals()
+    for i in range(REQUESTS):
+        k = i % len(PROMPTS)
+        (params,) = prefill(P, [PROMPTS[k]])
+        (out,) = D.generate([PROMPTS[k]], 8, [params])
+        same([out], [reference["all"][k]], batched=True)  # token ids exact (a failed load was recomputed)
+    after = D.kvsvc_totals()
+    faults = expected_faults(REQUESTS)
+    assert after["failed"] - before["failed"] == sum(faults.values()), (faults, before, after, D.tail())
+    assert after["loaded"] - before["loaded"] == REQUESTS - sum(faults.values()), (before, after)
+    assert P.blocks_free(), ("P still holds KV blocks", P.tail())
+    assert D.blocks_free(), ("D still holds KV blocks", D.tail())
+    print(f"\nvLLM fault matrix: {REQUESTS} requests, faults {faults}, 0 wrong answers, "
+          f"{after['failed'] - before['failed']} typed failures recomputed, no block held")
