@@ -35,7 +35,7 @@ SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: soak test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
+.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,6 +71,14 @@ test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP) $(S
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
+	$(MAKE) test-chaos-engines
+
+# The engine-level fault matrix at length: a real vLLM P/D pair with a fault injected into 6
+# of every 8 requests at each point of kvsvc's (tests/vllm/test_chaos_engines.py; make test
+# runs 16 requests of it). About 1 s a request on two cores.
+CHAOS_ENGINE_REQUESTS ?= 800
+test-chaos-engines: $(VLLM_STAMP)
+	KVSVC_CHAOS_ENGINE_REQUESTS=$(CHAOS_ENGINE_REQUESTS) $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm/test_chaos_engines.py
 
 # Real SGLang servers through kvsvc: P1->D1 against the aggregated server and one abort (a few
 # minutes; tests/sglang/test_smoke.py).

@@ -21,7 +21,8 @@ from kvsvc.errors import KvsvcError
 
 # [server] settings an engine may give inline, passed to each embedded server.
 SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peers", "allowed_engines",
-               "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads")
+               "tls_cert_file", "tls_key_file", "tls_client_ca_file", "peer_tls_ca_file", "copy_threads",
+               "content_digest", "require_rdma_between_nodes")
 MAX_MODEL_ID = 200
 MAX_SECONDS = 3600.0
 
