@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 # ---- P ---------------------------------------------------------------------------------
 
-def take(node: Node, lease: Lease) -> None:
-    """Start hashing the lease's blocks (on the loop: the work runs on a worker thread)."""
+def take(node: Node, lease: Lease, *, now: bool = False) -> None:
+    """Start hashing the lease's blocks (on the loop: the work runs on a worker thread; now:
+    here, before this returns -- an injected fault that rewrites the blocks right after)."""
     ranks = [r for r in node.hosted_ranks if node.pools[r].memory_kind is MemoryKind.DRAM]
     if not node.config.content_digest or not ranks:
         return
@@ -43,7 +44,12 @@ def take(node: Node, lease: Lease) -> None:
         return [pb.BlockContent(rank=r, groups=[pb.GroupContent(digests=d) for d in block_digests(
             regions, node.pools[r].region_address, blocks)]) for r in ranks]
 
-    lease.content = asyncio.get_running_loop().run_in_executor(None, digests)
+    loop = asyncio.get_running_loop()
+    if now:
+        lease.content = loop.create_future()
+        lease.content.set_result(digests())
+    else:
+        lease.content = loop.run_in_executor(None, digests)
 
 
 async def answer(lease: Lease | None, resp: pb.ClaimLeaseResponse, *, req: pb.ClaimLeaseRequest) -> pb.ClaimLeaseResponse:

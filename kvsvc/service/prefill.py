@@ -225,30 +225,25 @@ def claimed(node: Node, req: pb.ClaimLeaseRequest,
 # ---- injected faults (service/faults.py: tests only) ---------------------------------------
 
 def _fault_of(node: Node, lease: Lease) -> None:
-    """The lease's fault: lease_released is applied when D claims; block_rewritten now, once
-    the lease's digests (if taken) were taken -- as an engine that reuses a leased block."""
+    """The lease's fault: lease_released is applied when D claims; block_rewritten now, after
+    the lease's digests (if any) were taken, so always before D reads -- as an engine that
+    reuses a leased block."""
     assert node.faults is not None
     lease.fault = node.faults.next_lease() or ""
     if lease.fault != "block_rewritten":
         return
-    faults = node.faults
-
-    def rewrite(_taken: object = None) -> None:
-        faults.injected_now("block_rewritten")
-        for rank in node.hosted_ranks:
-            pool = node.pools[rank]
-            if pool.memory_kind is not MemoryKind.DRAM or not len(lease.block_ids[0]):
-                continue
-            region = next(r for r in node.side.pool.regions if r.group_index == 0)
-            at = pool.region_address(region) + int(lease.block_ids[0][0]) * region.block_stride
-            block = (ctypes.c_ubyte * min(64, region.block_len)).from_address(at)
-            for i in range(len(block)):
-                block[i] ^= 0xFF
-
     if lease.content is not None:
-        lease.content.add_done_callback(rewrite)
-    else:
-        rewrite()
+        content.take(node, lease, now=True)  # the digests first, of the blocks as leased
+    node.faults.injected_now("block_rewritten")
+    for rank in node.hosted_ranks:
+        pool = node.pools[rank]
+        if pool.memory_kind is not MemoryKind.DRAM or not len(lease.block_ids[0]):
+            continue
+        region = next(r for r in node.side.pool.regions if r.group_index == 0)
+        at = pool.region_address(region) + int(lease.block_ids[0][0]) * region.block_stride
+        block = (ctypes.c_ubyte * min(64, region.block_len)).from_address(at)
+        for i in range(len(block)):
+            block[i] ^= 0xFF
 
 
 def _release_if_faulted(node: Node, request_id: str) -> None:
