@@ -6,7 +6,8 @@ for. A peer's configuration follows from what kvsvc knows of it: whether it runs
 node (HandshakeResponse.node_id against ours) and the memory read from and into. So once a
 READ from a peer completed, its tables are in the log: the peer's transports are those of
 the READ tables for its locality and memory pair. One not found yet (UCX printed nothing
-for it) is looked up again after the peer's next transfer, and never again once found.
+for it) is looked up again after the peer's next transfers, at most MAX_LOOKS times (the
+log is read from disk each time), and never again once found.
 
 A downgrade (TCP within the node; no RDMA between nodes where the operator requires it) is
 said once per peer: a warning with reason TRANSPORT_DEGRADED, GetInfo's TransportInfo.peers
@@ -29,6 +30,7 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 _UCX_MEMORY = {MemoryKind.DRAM: "host", MemoryKind.VRAM: "cuda"}
+MAX_LOOKS = 8
 
 
 def locality(node: Node, peer: Peer) -> str | None:
@@ -67,13 +69,14 @@ class PeerTransports:
 
     def observe(self, peers: Iterable[Peer]) -> None:
         """After a transfer that read from these peers completed: learn those not known yet."""
-        unknown = [p for p in peers if p.transport is None and p.node_id]
+        unknown = [p for p in peers if p.transport is None and p.node_id and p.transport_looks < MAX_LOOKS]
         if not unknown:
             return
         paths = self._read_paths()
         for peer in unknown:
             known = peer_transport(self._node, peer, paths)
             if known is None:
+                peer.transport_looks += 1
                 continue
             peer.transport = known
             self._on_known(known)

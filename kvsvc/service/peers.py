@@ -61,6 +61,7 @@ class Peer:
     lease: LeaseChannel | None = None
     node_id: str = ""  # the peer's host (HandshakeResponse.node_id; "" from an older server)
     transport: pb.PeerTransport | None = None  # how READs from it travel, once known (peer_transports.py)
+    transport_looks: int = 0  # times the protocol log was read for it without finding it
 
     @property
     def lease_calls(self) -> LeaseCalls:

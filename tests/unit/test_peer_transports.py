@@ -72,3 +72,20 @@ def test_tcp_within_a_node_is_a_downgrade_and_so_is_no_rdma_between_nodes_where_
     tcp_between = ReadPath("inter-node", "host", "host", ("tcp/eth0",))
     assert degraded_because(tcp_between, require_rdma=False) == ""  # no RDMA asked for: TCP is the path
     assert "not RDMA" in degraded_because(tcp_between, require_rdma=True)
+
+
+def test_a_peer_whose_tables_never_show_is_looked_up_a_bounded_number_of_times():
+    """The log is read from disk per look: a peer UCX printed nothing for (its logging set by
+    the operator, a memory pair it names otherwise) must not cost a read per transfer."""
+    from types import SimpleNamespace
+
+    from kvsvc.service.peer_transports import MAX_LOOKS, PeerTransports
+    from kvsvc.service.peers import Peer
+
+    reads = []
+    node = SimpleNamespace(node_id="n1", pools={}, config=SimpleNamespace(require_rdma_between_nodes=False))
+    peer = Peer("p:1", "p", 1, None, {}, None, node_id="n1")  # type: ignore[arg-type]
+    transports = PeerTransports(node, lambda: reads.append(1) or [])  # type: ignore[arg-type]
+    for _ in range(3 * MAX_LOOKS):
+        transports.observe([peer])
+    assert len(reads) == MAX_LOOKS and peer.transport is None
