@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvsvc.errors import DataLoss
+from kvsvc.layout.regions import Region
 from kvsvc.leases.records import Lease
 from kvsvc.memory.content import block_digests, landed_digests
 from kvsvc.memory.pools import MemoryKind
@@ -66,7 +67,7 @@ async def answer(lease: Lease | None, resp: pb.ClaimLeaseResponse, *, req: pb.Cl
 Reads = list[tuple[int, tuple[RemoteRank, np.ndarray, np.ndarray, np.ndarray]]]
 
 
-def landed(node: Node, p_regions: Sequence[object], reads: Reads) -> dict[int, tuple[dict[tuple[int, int], int], int]]:
+def landed(node: Node, p_regions: Sequence[Region], reads: Reads) -> dict[int, tuple[dict[tuple[int, int], int], int]]:
     """Per P rank: the digests of the P blocks the READs landed whole, and how many others
     they touched (on a worker thread: it reads every landed byte)."""
     by_rank: dict[int, tuple[RemoteRank, list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = {}
@@ -77,8 +78,7 @@ def landed(node: Node, p_regions: Sequence[object], reads: Reads) -> dict[int, t
         ls.append(la)
         rs.append(ra)
         ns.append(ln)
-    return {rank: landed_digests(p_regions, rr.bases, np.concatenate(ls), np.concatenate(rs),  # type: ignore[arg-type]
-                                 np.concatenate(ns))
+    return {rank: landed_digests(p_regions, rr.bases, np.concatenate(ls), np.concatenate(rs), np.concatenate(ns))
             for rank, (rr, ls, rs, ns) in by_rank.items()}
 
 
