@@ -143,11 +143,14 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     for g, ids in enumerate(groups):
         check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
     _check_num_tokens(node, req.num_tokens, groups)
+    # Counted per lease asked for, made or refused (one D gave up on before it was made), so
+    # that the n-th lease is the engine's n-th request.
+    fault = node.faults.next_lease() if node.faults is not None else None
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
                                 num_tokens=req.num_tokens)
     content.take(node, lease)
-    if node.faults is not None:
-        _fault_of(node, lease)
+    if fault is not None:
+        _fault_of(node, lease, fault)
     return lease, groups
 
 
@@ -224,13 +227,13 @@ def claimed(node: Node, req: pb.ClaimLeaseRequest,
 
 # ---- injected faults (service/faults.py: tests only) ---------------------------------------
 
-def _fault_of(node: Node, lease: Lease) -> None:
+def _fault_of(node: Node, lease: Lease, fault: str) -> None:
     """The lease's fault: lease_released is applied when D claims; block_rewritten now, after
     the lease's digests (if any) were taken, so always before D reads -- as an engine that
     reuses a leased block."""
     assert node.faults is not None
-    lease.fault = node.faults.next_lease() or ""
-    if lease.fault != "block_rewritten":
+    lease.fault = fault
+    if fault != "block_rewritten":
         return
     if lease.content is not None:
         content.take(node, lease, now=True)  # the digests first, of the blocks as leased
