@@ -17,6 +17,8 @@ the number of requests (make test-full runs more).
 from __future__ import annotations
 
 import os
+import re
+from collections import Counter
 
 import pytest
 
@@ -32,6 +34,9 @@ pytestmark = pytest.mark.timeout(1800)
 D_CYCLE = ["read_error", "cancel_mid_read", "claim_lost", "corrupt_landed", "-", "-", "-", "-"]
 P_CYCLE = ["-", "-", "-", "-", "lease_released", "block_rewritten", "-", "-"]
 REQUESTS = int(os.environ.get("KVSVC_CHAOS_ENGINE_REQUESTS", "16"))
+# The typed error each point ends its transfer with (tests/e2e/test_faults.py pins them).
+REASONS = {"read_error": "NIXL_ERROR", "cancel_mid_read": "CANCELLED", "claim_lost": "PEER_UNAVAILABLE",
+           "lease_released": "LEASE_EXPIRED"}
 NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # a rewritten block must not outlive its request
 
 
@@ -71,9 +76,20 @@ def test_every_fault_ends_typed_every_answer_is_token_exact_and_nothing_is_held(
         same([out], [reference["all"][k]], batched=True)  # token ids exact (a failed load was recomputed)
     after = D.kvsvc_totals()
     faults = expected_faults(REQUESTS)
-    assert after["failed"] - before["failed"] == sum(faults.values()), (faults, before, after, D.tail())
-    assert after["loaded"] - before["loaded"] == REQUESTS - sum(faults.values()), (before, after)
+    failed = after["failed"] - before["failed"]
+    assert failed + after["loaded"] - before["loaded"] == REQUESTS, (before, after)
+    # Each fault ends its transfer with its own typed error (the D worker logs each failure's
+    # reason). One exception: a leased block rewritten after D already read it (params are
+    # handed out before P's worker makes the lease, and D reads first) leaves nothing to
+    # catch -- D holds the right bytes, which the token check above confirms.
+    reasons = Counter(re.findall(r"kvsvc: transfer of \S+ failed: ([A-Z_]+)", D.log.read_text(errors="replace")))
+    assert sum(reasons.values()) == failed, (reasons, failed)
+    for point, reason in REASONS.items():
+        assert reasons[reason] == faults.get(point, 0), (point, reasons, faults)
+    late_rewrites = faults.get("corrupt_landed", 0) + faults.get("block_rewritten", 0) - reasons["DIGEST_MISMATCH"]
+    assert 0 <= late_rewrites <= faults.get("block_rewritten", 0), (reasons, faults)
     assert P.blocks_free(), ("P still holds KV blocks", P.tail())
     assert D.blocks_free(), ("D still holds KV blocks", D.tail())
-    print(f"\nvLLM fault matrix: {REQUESTS} requests, faults {faults}, 0 wrong answers, "
-          f"{after['failed'] - before['failed']} typed failures recomputed, no block held")
+    print(f"\nvLLM fault matrix: {REQUESTS} requests, faults {faults} ({sum(faults.values())}), 0 wrong answers, "
+          f"{failed} typed failures recomputed {dict(reasons)}, {late_rewrites} blocks rewritten after D had read "
+          "them, no block held")
