@@ -148,7 +148,7 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     fault = node.faults.next_lease() if node.faults is not None else None
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
                                 num_tokens=req.num_tokens)
-    content.take(node, lease)
+    content.take(node, lease, now=fault == "block_rewritten")  # digests before that fault rewrites
     if fault is not None:
         _fault_of(node, lease, fault)
     return lease, groups
@@ -235,8 +235,6 @@ def _fault_of(node: Node, lease: Lease, fault: str) -> None:
     lease.fault = fault
     if fault != "block_rewritten":
         return
-    if lease.content is not None:
-        content.take(node, lease, now=True)  # the digests first, of the blocks as leased
     node.faults.injected_now("block_rewritten")
     for rank in node.hosted_ranks:
         pool = node.pools[rank]
