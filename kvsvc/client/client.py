@@ -14,6 +14,7 @@ import grpc
 
 from kvsvc.client.errors import error_from_rpc
 from kvsvc.errors import KvsvcError, Unavailable, Unreachable
+from kvsvc.loops import stop_loop_thread
 from kvsvc.reasons import Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -314,10 +315,7 @@ class Client:
             self._run(self._async.close())
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            if not self._thread.is_alive():
-                self._loop.close()
+            stop_loop_thread(self._loop, self._thread)
 
     def get_info(self, *, timeout_s: float | None = None) -> pb.GetInfoResponse:
         return self._run(self._async.get_info(timeout_s=timeout_s))

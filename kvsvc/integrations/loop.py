@@ -16,6 +16,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from kvsvc.loops import stop_loop_thread
+
 T = TypeVar("T")
 
 STALL_WARN_S = 1.0
@@ -71,9 +73,5 @@ class LoopThread:
                 self._log.warning("kvsvc: event loop %s stalled %.1f s", self._thread.name, late)
 
     def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
+        """Cancel what still runs on the loop (the stall watch, what a server left), then stop it."""
+        stop_loop_thread(self.loop, self._thread)
