@@ -25,6 +25,9 @@ class StandIn:
         self.name, self.models, self.chunks, self.pause_s = name, models, chunks, pause_s
         self.seen: list[tuple[str | None, dict]] = []
         self.healthy = True
+        self.garbled = False  # P answers 200 with what vLLM never sends
+        self.stuck = False  # P answers only once let_go is set
+        self.let_go = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_get("/v1/models", self.list_models)
@@ -36,6 +39,10 @@ class StandIn:
         self.seen.append((request.headers.get("X-Request-Id"), body))
         if not self.chunks:  # P
             await asyncio.sleep(self.pause_s)
+            if self.stuck:
+                await self.let_go.wait()
+            if self.garbled:
+                return web.Response(text="<html>a proxy's error page</html>", content_type="text/html")
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -91,12 +98,45 @@ async def test_a_stream_longer_than_the_timeout_is_not_cut_and_both_engines_get_
 
 
 async def test_the_prefill_call_keeps_its_limit():
-    p, d = StandIn("p", ["m"], pause_s=5.0), StandIn("d", ["m"], chunks=1)
+    p, d = StandIn("p", ["m"]), StandIn("d", ["m"], chunks=1)
+    p.stuck = True  # P answers only after the router's limit
     router = await _routed([p], [d], timeout_s=0.5)
     try:
         async with ClientSession() as s, s.post(str(router.make_url("/v1/completions")), json={"prompt": "x"}) as r:
-            assert r.status == 504  # the router's timeout, as aiohttp answers it: the client is not left hanging
+            assert r.status == 504  # the client is not left hanging, and is told who did not answer
+            assert (await r.json())["error"] | {"message": ""} == {
+                "type": "ENGINE_TIMEOUT", "code": 504, "engine": p.url, "role": "prefill", "message": ""}
         assert d.seen == []
+    finally:
+        p.let_go.set()
+        await _close(router, p.server, d.server)
+
+
+async def error_of(router: TestServer) -> tuple[int, dict]:
+    async with ClientSession() as s, s.post(str(router.make_url("/v1/completions")), json={"prompt": "x"}) as r:
+        return r.status, (await r.json())["error"]
+
+
+async def test_an_engine_that_cannot_be_used_is_named_in_a_typed_answer():
+    """Never a bare 500: P or D unreachable, or P answering what vLLM never sends, is a 502
+    in OpenAI's error shape naming the engine, its role and why."""
+    p, d = StandIn("p", ["m"]), StandIn("d", ["m"], chunks=1)
+    router = await _routed([p], [d])
+    try:
+        p.garbled = True
+        status, error = await error_of(router)
+        assert (status, error["type"], error["role"], error["engine"]) == (502, "ENGINE_BAD_ANSWER", "prefill", p.url)
+        assert d.seen == []
+        p.garbled = False
+        d_url = d.url
+        await d.server.close()
+        status, error = await error_of(router)
+        assert (status, error["type"], error["role"], error["engine"]) == (502, "ENGINE_UNREACHABLE", "decode", d_url)
+        assert d_url in error["message"]
+        p_url = p.url
+        await p.server.close()
+        status, error = await error_of(router)
+        assert (status, error["type"], error["role"], error["engine"]) == (502, "ENGINE_UNREACHABLE", "prefill", p_url)
     finally:
         await _close(router, p.server, d.server)
 

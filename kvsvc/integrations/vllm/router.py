@@ -8,8 +8,11 @@ Clients talk to it as to one OpenAI-compatible vLLM server (/v1/completions,
 decode engine with the kv_transfer_params P answered, unchanged; D's answer (streamed
 or not) is the client's. Both engines get the same X-Request-Id (the client's, or one
 the router makes), so one request has one id in every log. Engines are taken round
-robin. If P fails, its error is the answer; a client that goes away while D works
-closes D's request, which vLLM aborts (and kvsvc then gives P's blocks back).
+robin. If P answers an error, that error is the answer; an engine that cannot be reached,
+does not answer in time or answers what vLLM never sends is answered 502 or 504 in
+OpenAI's error shape, with "type" ENGINE_UNREACHABLE, ENGINE_TIMEOUT or ENGINE_BAD_ANSWER
+and the engine's URL and role. A client that goes away while D works closes D's request,
+which vLLM aborts (and kvsvc then gives P's blocks back).
 
 Time limits: P's call is bounded (--timeout-s: one token); D's answer is not, as a long
 generation may stream for as long as it needs -- only connecting to D is bounded.
@@ -68,6 +71,23 @@ def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "BadRequest"}}, status=400)
 
 
+def engine_failed(role: str, url: str, reason: str, detail: str) -> web.Response:
+    """The answer when an engine could not be used: OpenAI's error shape, naming the engine,
+    its role and why -- 504 when it did not answer in time, 502 otherwise (unreachable, or an
+    answer that is not what vLLM sends). reason: ENGINE_UNREACHABLE, ENGINE_TIMEOUT or
+    ENGINE_BAD_ANSWER."""
+    status = 504 if reason == "ENGINE_TIMEOUT" else 502
+    return web.json_response({"error": {
+        "message": f"the {role} engine at {url} failed: {detail}", "type": reason, "code": status,
+        "engine": url, "role": role}}, status=status)
+
+
+def _why(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, TimeoutError):
+        return "ENGINE_TIMEOUT", "no answer within the router's limit"
+    return "ENGINE_UNREACHABLE", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], timeout_s: float) -> None:
         self.prefill_urls = [u.rstrip("/") for u in prefill]
@@ -101,23 +121,41 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         headers[REQUEST_ID_HEADER] = request_id(request.headers.get(REQUEST_ID_HEADER))
         path = request.path
-        async with self._session.post(next(self._prefill) + path, json=prefill_body(body), headers=headers,
-                                      timeout=self._prefill_timeout) as p:
-            answer = await p.read()
-            if p.status != 200:
-                return web.Response(body=answer, status=p.status, content_type=p.content_type)
+        p_url = next(self._prefill)
+        try:
+            async with self._session.post(p_url + path, json=prefill_body(body), headers=headers,
+                                          timeout=self._prefill_timeout) as p:
+                answer = await p.read()
+        except (TimeoutError, ClientError, OSError) as e:
+            log.warning("prefill engine %s failed for %s: %s", p_url, headers[REQUEST_ID_HEADER], e)
+            return engine_failed("prefill", p_url, *_why(e))
+        if p.status != 200:  # the engine's own error (vLLM's JSON), as it gave it
+            return web.Response(body=answer, status=p.status, content_type=p.content_type)
+        try:
             params = json.loads(answer).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return engine_failed("prefill", p_url, "ENGINE_BAD_ANSWER", "its answer is not a JSON object")
         if not params:
             log.warning("prefill engine returned no kv_transfer_params for %s: the decode engine prefills itself",
                         headers[REQUEST_ID_HEADER])
-        async with self._session.post(next(self._decode) + path, json=decode_body(body, params), headers=headers,
-                                      timeout=self._decode_timeout) as d:
+        d_url = next(self._decode)
+        try:
+            d = await self._session.post(d_url + path, json=decode_body(body, params), headers=headers,
+                                         timeout=self._decode_timeout)
+        except (TimeoutError, ClientError, OSError) as e:
+            log.warning("decode engine %s failed for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
+            return engine_failed("decode", d_url, *_why(e))
+        async with d:
             out = web.StreamResponse(status=d.status, headers={
                 "Content-Type": d.headers.get("Content-Type", "application/json"),
                 REQUEST_ID_HEADER: headers[REQUEST_ID_HEADER]})
             await out.prepare(request)
-            async for chunk in d.content.iter_any():
-                await out.write(chunk)
+            try:
+                async for chunk in d.content.iter_any():
+                    await out.write(chunk)
+            except (TimeoutError, ClientError, OSError) as e:  # the status is sent: end the answer short
+                log.warning("decode engine %s failed mid-answer for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
+                return out
             await out.write_eof()
             return out
 
