@@ -3,8 +3,8 @@ injected at exact points of kvsvc's data plane and lease table (service/faults.p
 answer compared token for token with the aggregated engine.
 
 One request at a time, so that the n-th request is the D server's n-th transfer and the P
-server's n-th lease: the fault cycles below give each request at most one fault, in turn
-at every point, and leave some requests untouched. Every answer must equal the
+server's n-th lease: the fault cycle (tests/fault_cycles.py) gives each request at most
+one fault, in turn at every point, and leaves some requests untouched. Every answer must equal the
 aggregated run's tokens (a failed load is recomputed by vLLM, kv_load_failure_policy
 "recompute"); every fault must end its transfer as a typed failure (D's failed count); and
 at the end neither engine holds a KV block (P got every lease back, D every block).
@@ -22,6 +22,7 @@ from collections import Counter
 
 import pytest
 
+from tests.fault_cycles import ENV, REASONS, expected_faults
 from tests.vllm.compare import same
 from tests.vllm.engines import Engine, Engines, kvsvc
 from tests.vllm.prompts import PROMPTS
@@ -29,14 +30,7 @@ from tests.vllm.test_connector import prefill
 
 pytestmark = pytest.mark.timeout(1800)
 
-# The i-th transfer (D) and lease (P) get the fault at i % 8 of their cycle: each request at
-# most one fault, the last two requests of each eight none.
-D_CYCLE = ["read_error", "cancel_mid_read", "claim_lost", "corrupt_landed", "-", "-", "-", "-"]
-P_CYCLE = ["-", "-", "-", "-", "lease_released", "block_rewritten", "-", "-"]
 REQUESTS = int(os.environ.get("KVSVC_CHAOS_ENGINE_REQUESTS", "16"))
-# The typed error each point ends its transfer with (tests/e2e/test_faults.py pins them).
-REASONS = {"read_error": "NIXL_ERROR", "cancel_mid_read": "CANCELLED", "claim_lost": "PEER_UNAVAILABLE",
-           "lease_released": "LEASE_EXPIRED"}
 NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # a rewritten block must not outlive its request
 
 
@@ -44,9 +38,9 @@ NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # a rewritten block must not
 def faulty(engines: Engines, reference):
     started = [
         Engine("chaos-p", engines.model, engines.logs, connector=kvsvc("kv_producer", content_digest=True),
-               engine_args=NO_PREFIX_CACHE, extra_env={"KVSVC_FAULTS": ",".join(P_CYCLE)}),
+               engine_args=NO_PREFIX_CACHE, extra_env={"KVSVC_FAULTS": ENV}),
         Engine("chaos-d", engines.model, engines.logs, connector=kvsvc("kv_consumer", content_digest=True),
-               engine_args=NO_PREFIX_CACHE, extra_env={"KVSVC_FAULTS": ",".join(D_CYCLE)})]
+               engine_args=NO_PREFIX_CACHE, extra_env={"KVSVC_FAULTS": ENV})]
     try:
         for e in started:
             e.wait_ready()
@@ -54,16 +48,6 @@ def faulty(engines: Engines, reference):
     finally:
         for e in started:
             e.stop()
-
-
-def expected_faults(n: int) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i in range(n):
-        for cycle in (D_CYCLE, P_CYCLE):
-            point = cycle[i % len(cycle)]
-            if point != "-":
-                out[point] = out.get(point, 0) + 1
-    return out
 
 
 def test_every_fault_ends_typed_every_answer_is_token_exact_and_nothing_is_held(faulty, reference):

@@ -10,12 +10,15 @@ recomputed instead of loading would show ABORTED or nothing there.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import pytest
 
 from kvsvc.client import Client
 from kvsvc.errors import KvsvcError
 from tests.vllm.compare import same
-from tests.vllm.engines import Engine, Engines, kvsvc, kvsvc_servers
+from tests.vllm.engines import Engine, Engines, kvsvc, kvsvc_servers, side_channel_ports
 from tests.vllm.prompts import HEAD, LONGER, PROMPTS
 from tests.vllm.releases import Releases, p_servers
 
@@ -78,6 +81,38 @@ def test_prefix_hit_on_d_reads_only_the_tail(tp1, reference):
     assert (after["loaded"] - before["loaded"], after["bytes"] - before["bytes"]) == (1, 2 * 32 * 1024)
 
 
+def failures_logged(D: Engine) -> Counter[str]:
+    """The typed reasons D's kvsvc worker logged for its failed transfers so far."""
+    return Counter(re.findall(r"kvsvc: transfer of \S+ failed: ([A-Z_]+)", D.log.read_text(errors="replace")))
+
+
+def test_params_given_twice_load_once_and_a_retry_of_used_params_recomputes(tp1, reference):
+    """A router that retries, or sends one request's params to D twice: the lease is read
+    by one D request alone, every other attempt fails typed and vLLM recomputes it; every
+    answer is the aggregated run's and P releases the lease CONSUMED once."""
+    P, D = tp1
+    assert D.blocks_free()  # an empty prefix cache on D: every attempt below must load
+    (params,) = prefill(P, [PROMPTS[5]])
+    releases = Releases(p_servers(params))
+    try:
+        before, reasons_before = D.kvsvc_totals(), failures_logged(D)
+        same(D.generate([PROMPTS[5]] * 2, 8, [params, params]), reference["alone-5"] * 2, batched=True)
+        got = releases.wait([params["remote_request_id"]])[params["remote_request_id"]]
+        assert got == [CONSUMED] * len(releases.addresses)
+        assert D.blocks_free()
+        # A retry with the same params, after the lease was used: refused, recomputed.
+        same(D.generate([PROMPTS[5]], 8, [params]), reference["alone-5"])
+        after = D.kvsvc_totals()
+        assert after["loaded"] - before["loaded"] == 1, (before, after)
+        refused = failures_logged(D) - reasons_before
+        assert sum(refused.values()) == after["failed"] - before["failed"] >= 1, (refused, before, after)
+        assert set(refused) <= {"LEASE_CLAIMED", "LEASE_CONSUMED", "LEASE_EXPIRED"}, refused
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    assert P.blocks_free() and D.blocks_free()
+
+
 def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines, tp1, reference):
     P, D = tp1
     params = prefill(P, PROMPTS[:2])
@@ -94,3 +129,31 @@ def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines,
     assert (after["failed"] - before["failed"], after["loaded"] - before["loaded"]) == (2, 0), (before, after)
     same(D.generate(PROMPTS[2:4], 8), reference["next-two"])  # and keeps serving
     assert D.blocks_free(), ("D still holds KV blocks after the failed loads", D.tail())
+
+
+@pytest.mark.full
+def test_a_p_replaced_at_the_same_address_is_never_read_through_the_old_runs_params(engines: Engines, tp1,
+                                                                                    reference):
+    """P killed and started again on the same kvsvc port (a pod rescheduled with a fixed
+    port): params the first run handed out name the same address and, often, the same block
+    ids the second run now leases for another prompt. D must refuse them (the epoch), typed,
+    and recompute -- never load the new run's KV under the old request."""
+    _, D = tp1
+    port = side_channel_ports(1)
+    (first,) = engines.get(("kvsvc-p-fixed-1", 1, kvsvc("kv_producer", listen_port=port)))
+    (old,) = prefill(first, [PROMPTS[5]])
+    first.kill()
+    engines.drop("kvsvc-p-fixed-1")
+    (second,) = engines.get(("kvsvc-p-fixed-2", 1, kvsvc("kv_producer", listen_port=port)))
+    (new,) = prefill(second, [PROMPTS[9]])
+    assert p_servers(old) == p_servers(new), (old, new)  # the same address
+    assert D.blocks_free()
+    before, reasons_before = D.kvsvc_totals(), failures_logged(D)
+    same(D.generate([PROMPTS[5]], 8, [old]), reference["alone-5"])
+    after = D.kvsvc_totals()
+    assert (after["failed"] - before["failed"], after["loaded"] - before["loaded"]) == (1, 0), (before, after)
+    assert failures_logged(D) - reasons_before == Counter({"LEASE_EXPIRED": 1})
+    same(D.generate([PROMPTS[9]], 8, [new]), reference["alone-9"])  # the new run's own params load
+    assert D.kvsvc_totals()["loaded"] - after["loaded"] == 1
+    assert second.blocks_free() and D.blocks_free()
+    engines.drop("kvsvc-p-fixed-2")
