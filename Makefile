@@ -73,12 +73,15 @@ test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP) $(S
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
 	$(MAKE) test-chaos-engines
 
-# The engine-level fault matrix at length: a real vLLM P/D pair with a fault injected into 6
-# of every 8 requests, in turn at each of kvsvc's fault points (tests/vllm/test_chaos_engines.py;
-# make test runs 16 requests of it): 13,336 requests, 10,002 faults, ~35 minutes on two cores.
+# The engine-level fault matrix at length: real vLLM and SGLang P/D pairs with a fault injected
+# into 6 of every 8 requests, in turn at each of kvsvc's fault points (tests/vllm/ and
+# tests/sglang/test_chaos_engines.py; make test runs 16 vLLM requests of it): vLLM 13,336
+# requests (10,002 faults, ~35 minutes on two cores), SGLang 4,000 (3,000 faults, ~15 minutes).
 CHAOS_ENGINE_REQUESTS ?= 13336
-test-chaos-engines: $(VLLM_STAMP)
+CHAOS_ENGINE_REQUESTS_SGLANG ?= 4000
+test-chaos-engines: $(VLLM_STAMP) $(SGLANG_STAMP)
 	KVSVC_CHAOS_ENGINE_REQUESTS=$(CHAOS_ENGINE_REQUESTS) $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm/test_chaos_engines.py
+	KVSVC_CHAOS_ENGINE_REQUESTS=$(CHAOS_ENGINE_REQUESTS_SGLANG) $(SGLANG_VENV)/bin/python -m pytest -q -s tests/sglang/test_chaos_engines.py
 
 # Real SGLang servers through kvsvc: P1->D1 against the aggregated server and one abort (a few
 # minutes; tests/sglang/test_smoke.py).

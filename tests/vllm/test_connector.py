@@ -134,17 +134,20 @@ def test_a_dead_prefill_engine_fails_the_load_and_d_recomputes(engines: Engines,
 @pytest.mark.full
 def test_a_p_replaced_at_the_same_address_is_never_read_through_the_old_runs_params(engines: Engines, tp1,
                                                                                     reference):
-    """P killed and started again on the same kvsvc port (a pod rescheduled with a fixed
-    port): params the first run handed out name the same address and, often, the same block
-    ids the second run now leases for another prompt. D must refuse them (the epoch), typed,
-    and recompute -- never load the new run's KV under the old request."""
+    """P killed and started again on the same kvsvc port under the same engine id (a pod
+    rescheduled with a fixed port and id): params the first run handed out name the same
+    address and engine and, often, the same block ids the second run now leases for another
+    prompt. D must refuse them by the server's epoch, typed, and recompute -- never load the
+    new run's KV under the old request. (With vLLM's default engine id, new at each start,
+    D refuses them UNKNOWN_ENGINE before it gets that far.)"""
     _, D = tp1
     port = side_channel_ports(1)
-    (first,) = engines.get(("kvsvc-p-fixed-1", 1, kvsvc("kv_producer", listen_port=port)))
+    conn = {**kvsvc("kv_producer", listen_port=port), "engine_id": f"kvsvc-p-fixed-{port}"}
+    (first,) = engines.get(("kvsvc-p-fixed-1", 1, conn))
     (old,) = prefill(first, [PROMPTS[5]])
     first.kill()
     engines.drop("kvsvc-p-fixed-1")
-    (second,) = engines.get(("kvsvc-p-fixed-2", 1, kvsvc("kv_producer", listen_port=port)))
+    (second,) = engines.get(("kvsvc-p-fixed-2", 1, conn))
     (new,) = prefill(second, [PROMPTS[9]])
     assert p_servers(old) == p_servers(new), (old, new)  # the same address
     assert D.blocks_free()
