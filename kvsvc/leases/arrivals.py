@@ -25,8 +25,11 @@ MAX_WAITING_TOTAL = 16_384  # across engines: engine ids are only names without 
 class LeaseArrivals:
     """Futures of claims waiting for request ids to be leased (or refused)."""
 
-    def __init__(self, max_per_engine: int = 4096, max_total: int = MAX_WAITING_TOTAL) -> None:
+    def __init__(self, max_per_engine: int = 4096, max_total: int = MAX_WAITING_TOTAL,
+                 waiting_for: str = "leases not made yet") -> None:
+        """waiting_for: what the waiters wait for, as a refusal names it."""
         self.max_per_engine = max_per_engine
+        self.waiting_for = waiting_for
         self.max_total = max_total
         self._waiting: dict[str, set[asyncio.Future[None]]] = {}
         self._of_engine: dict[str, int] = {}
@@ -39,7 +42,8 @@ class LeaseArrivals:
         return self._count
 
     def arrived(self, request_id: str) -> None:
-        """request_id was leased or refused: its waiters look again."""
+        """request_id was leased or refused (or, for commit waiters, committed or released):
+        its waiters look again."""
         for fut in self._waiting.pop(request_id, ()):
             if not fut.done():
                 fut.set_result(None)
@@ -51,8 +55,8 @@ class LeaseArrivals:
         held = self._of_engine.get(engine_id, 0)
         if held >= self.max_per_engine or self._count >= self.max_total:
             raise KvsvcError(Reason.TOO_MANY_WAITING_CLAIMS,
-                             f"{held} claims of engine {engine_id[:64]!r} ({self._count} in all) wait here for leases "
-                             "not made yet, the most this server holds; ask again later",
+                             f"{held} calls of engine {engine_id[:64]!r} ({self._count} in all) wait here for "
+                             f"{self.waiting_for}, the most this server holds; ask again later",
                              {"engine_id": engine_id, "waiting": held, "max_per_engine": self.max_per_engine,
                               "waiting_total": self._count, "max_total": self.max_total},
                              code=ErrorCode.RESOURCE_EXHAUSTED)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvsvc.leases.commits import CommitLog
 from kvsvc.mapping.release import ReleaseTracker
 
 # What a release costs a subscriber beyond its block ids (the object, its arrays' headers,
@@ -73,6 +74,12 @@ class Lease:
     serial: int = 0  # this lease among every lease this table made: one id leased again is another lease
     content: Any = None  # the blocks' content digests as they are taken (service/content.py), when taken
     fault: str = ""  # a fault this lease gets (service/faults.py; tests only)
+    commits: CommitLog | None = None  # a progressive lease's commit epochs (leases/commits.py); None: made whole
+
+    @property
+    def complete(self) -> bool:
+        """Whether the lease holds every block it will: made whole, or progressive and final."""
+        return self.commits is None or self.commits.final
 
 
 def claim_digest(claim_id: str) -> bytes:

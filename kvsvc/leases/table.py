@@ -4,7 +4,10 @@ The state machine and its quotas live here; what it keeps and says is in records
 per-block holder counts in holders.py, the release subscribers in releases.py, and the
 claims waiting for a lease not made yet in arrivals.py.
 
-A lease moves OFFERED -> CLAIMED -> one of CONSUMED / EXPIRED / ABORTED, exactly once.
+A lease moves OFFERED -> CLAIMED -> one of CONSUMED / EXPIRED / ABORTED, exactly once. A
+progressive lease (opened before the engine's prefill ended) moves the same way and, while
+OFFERED or CLAIMED, grows by commits until its final one (commits.py; a consumed report
+waits for the final commit); D waits for the next commit on an event (commit_waits).
 Expiry is driven by one reaper task that sleeps until the earliest deadline; it never
 assumes leases expire in publish order (a claim or heartbeat moves a deadline later).
 Released leases stay as tombstones for a while so late claims get LEASE_EXPIRED and
@@ -27,6 +30,7 @@ import numpy as np
 
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied, Unavailable
 from kvsvc.leases.arrivals import LeaseArrivals
+from kvsvc.leases.commits import CommitLog
 from kvsvc.leases.holders import BlockHolders
 from kvsvc.leases.records import (
     Claim,
@@ -101,6 +105,8 @@ class LeaseTable:
     # Claims waiting for leases not made yet (ClaimLeaseRequest.wait_ms): woken by the
     # publish or refusal of their request id.
     arrivals: LeaseArrivals = field(default_factory=LeaseArrivals)
+    # D's waits for the next commit of a progressive lease: woken by the commit or the release.
+    commit_waits: LeaseArrivals = field(default_factory=lambda: LeaseArrivals(waiting_for="commits"))
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -117,6 +123,7 @@ class LeaseTable:
                 pass
             self._reaper = None
         self.arrivals.close()
+        self.commit_waits.close()
         for w in list(self._watchers):
             w.end()
 
@@ -139,8 +146,10 @@ class LeaseTable:
     # ---- operations -----------------------------------------------------------------
 
     def publish(self, request_id: str, block_ids: list[list[int]], ttl_s: float | None, token: str = "",
-                num_tokens: int = 0) -> Lease:
-        """Lease request_id's blocks; token is a sibling server's (one engine, one token), else new."""
+                num_tokens: int = 0, progressive: bool = False) -> Lease:
+        """Lease request_id's blocks; token is a sibling server's (one engine, one token), else new.
+        progressive: the lease is opened with these blocks (maybe none) at commit epoch 1 and
+        grows by commit() until its final commit."""
         if not request_id:
             raise InvalidArgument(Reason.MISSING_FIELD, "request_id must be set", {"field": "request_id"})
         if not self.accepting:
@@ -172,7 +181,8 @@ class LeaseTable:
         self._dead.pop(request_id, None)
         self._serial += 1
         lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
-                      digest=blocks_digest(blocks, num_tokens), serial=self._serial)
+                      digest=b"" if progressive else blocks_digest(blocks, num_tokens), serial=self._serial,
+                      commits=CommitLog.opened(blocks, num_tokens) if progressive else None)
         self._live[request_id] = lease
         if len(self._live) == 1:
             self.on_live_change(+1)
@@ -185,6 +195,63 @@ class LeaseTable:
     def leased_blocks(self) -> int:
         """Block ids held by live leases (a block in two leases counts twice)."""
         return self._holders.leased_blocks
+
+    def commit(self, request_id: str, epoch: int, *, token: str, commit_epoch: int, block_ids: list[list[int]],
+               num_tokens: int = 0, final: bool = False) -> Lease:
+        """Append one chunk's blocks (per group) to a progressive lease at commit_epoch (the
+        next one; the last one again with the same blocks is a retry and changes nothing).
+        Renews the lease; the final commit fixes the blocks a consumed claim must have read.
+        The engine commits only blocks whose KV is computed, and never rewrites them while
+        the lease lives (as with any leased block)."""
+        lease = self._live_lease(request_id, epoch, token)
+        _check_token(lease, token)
+        if lease.commits is None:
+            raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, f"request {request_id!r} was leased whole, not "
+                                     "opened progressive: it takes no commits", {"request_id": request_id})
+        appended = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
+        if not lease.commits.accept(request_id, lease.block_ids, commit_epoch, appended, num_tokens, final):
+            return lease  # a retry of a commit made
+        count = sum(int(a.size) for a in appended)
+        if self._holders.leased_blocks + count > self.max_leased_blocks:
+            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._holders.leased_blocks} block ids are leased, and "
+                             f"{count} more would pass the most this server keeps ({self.max_leased_blocks}); wait "
+                             "for releases", {"leased_blocks": self._holders.leased_blocks, "asked": count,
+                                              "max_leased_blocks": self.max_leased_blocks},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
+        self._holders.hold(appended, +1)
+        lease.block_ids = [np.concatenate((held, more)) for held, more in zip(lease.block_ids, appended, strict=True)]
+        lease.commits.record(lease.block_ids, num_tokens, final)
+        if final:
+            lease.digest = blocks_digest(lease.block_ids, num_tokens)
+        self._extend(lease, None)
+        self.commit_waits.arrived(request_id)
+        return lease
+
+    async def wait_commit(self, request_id: str, epoch: int, *, claim_id: str, d_engine_id: str, after_epoch: int,
+                          timeout_s: float) -> tuple[Lease, list[tuple[int, int]]]:
+        """D, holding claim_id's claim on a progressive lease: the lease and, per group, the
+        (start, end) of its block ids committed after after_epoch -- at once when there are
+        any (or the lease is final), else once the next commit comes or timeout_s passed
+        (then none). Waiting renews the lease, as a heartbeat does. A lease released
+        meanwhile answers LEASE_EXPIRED with its final state."""
+        lease = self._claimed_progressive(request_id, epoch, claim_id)
+        if lease.commits is not None and lease.commits.epoch == after_epoch and not lease.commits.final:
+            self._extend(lease, None)
+            await self.commit_waits.wait(request_id, d_engine_id, timeout_s)
+            lease = self._claimed_progressive(request_id, epoch, claim_id)
+        assert lease.commits is not None
+        self._extend(lease, None)
+        return lease, lease.commits.since(after_epoch)
+
+    def _claimed_progressive(self, request_id: str, epoch: int, claim_id: str) -> Lease:
+        lease = self._live_lease(request_id, epoch)
+        if claim_id not in lease.claims:
+            raise PermissionDenied(Reason.LEASE_NOT_OWNER, f"request {request_id!r} is not claimed by this claim: "
+                                   "claim it before waiting for its commits", {"request_id": request_id})
+        if lease.commits is None:
+            raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, f"request {request_id!r} was leased whole: it has "
+                                     "no commits to wait for", {"request_id": request_id})
+        return lease
 
     def claim(self, request_id: str, epoch: int, *, token: str, claim_id: str, d_engine_id: str, d_tp_size: int,
               d_ranks: Sequence[int] = (), extend_s: float | None = None, d_dcp_size: int = 1,
@@ -212,6 +279,11 @@ class LeaseTable:
             raise
         if consumed:
             assert lease.tracker is not None
+            if lease.commits is not None and not lease.commits.final:
+                raise FailedPrecondition(Reason.LEASE_NOT_FINAL, f"request {request_id!r} is still growing (commit "
+                                         f"epoch {lease.commits.epoch}): it is consumed only once read after its "
+                                         "final commit", {"request_id": request_id,
+                                                          "lease_commit_epoch": lease.commits.epoch})
             lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
             if lease.tracker.done:  # claimed and consumed in one step: its READs are over
                 self._release(lease, LeaseState.CONSUMED)
@@ -228,7 +300,7 @@ class LeaseTable:
                                      "were issued for (theirs was released)",
                                      {"request_id": request_id, "state": "replaced"})
         _check_token(lease, token)
-        if digest and not secrets.compare_digest(digest, lease.digest):
+        if digest and lease.complete and not secrets.compare_digest(digest, lease.digest):
             raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"the params' block ids or num_tokens are not those "
                                   f"request {request_id!r} was published with: use the params PublishBlocks "
                                   "returned for it, unedited", {"request_id": request_id})
@@ -304,6 +376,9 @@ class LeaseTable:
             self._release(lease, LeaseState.ABORTED)
             return lease.state, []
         assert claim is not None and lease.tracker is not None  # CONSUMED needs a claim (checked above)
+        if not lease.complete:
+            raise FailedPrecondition(Reason.LEASE_NOT_FINAL, f"request {request_id!r} is still growing: it is "
+                                     "consumed only once read after its final commit", {"request_id": request_id})
         bad = sorted(set(d_ranks) - claim.d_ranks)
         if bad:
             raise InvalidArgument(Reason.RANK_NOT_CLAIMED, f"done_ranks {bad[:8]} are not ranks this claim holds",
@@ -431,6 +506,7 @@ class LeaseTable:
         if self._live.pop(lease.request_id, None) is not None and not self._live:
             self.on_live_change(-1)
         self._holders.hold(lease.block_ids, -1)
+        self.commit_waits.arrived(lease.request_id)  # a D waiting for its next commit hears it ended
         # A tombstone keeps the final state only: block lists of released leases would
         # otherwise pile up (a 100k-entry history of long requests is gigabytes).
         consumed_by = tuple(claim_digest(c) for c in lease.claims) if reason is LeaseState.CONSUMED else ()

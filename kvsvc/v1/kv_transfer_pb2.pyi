@@ -158,6 +158,11 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TOO_MANY_WAITING_CLAIMS: _ClassVar[ErrorReason]
     ERROR_REASON_TRANSPORT_DEGRADED: _ClassVar[ErrorReason]
     ERROR_REASON_DIGEST_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_COMMIT_CONFLICT: _ClassVar[ErrorReason]
+    ERROR_REASON_COMMIT_OUT_OF_ORDER: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASE_FINAL: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASE_NOT_FINAL: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASE_NOT_PROGRESSIVE: _ClassVar[ErrorReason]
 
 class NotifyKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -322,6 +327,11 @@ ERROR_REASON_ETCD_WATCH_BROKEN: ErrorReason
 ERROR_REASON_TOO_MANY_WAITING_CLAIMS: ErrorReason
 ERROR_REASON_TRANSPORT_DEGRADED: ErrorReason
 ERROR_REASON_DIGEST_MISMATCH: ErrorReason
+ERROR_REASON_COMMIT_CONFLICT: ErrorReason
+ERROR_REASON_COMMIT_OUT_OF_ORDER: ErrorReason
+ERROR_REASON_LEASE_FINAL: ErrorReason
+ERROR_REASON_LEASE_NOT_FINAL: ErrorReason
+ERROR_REASON_LEASE_NOT_PROGRESSIVE: ErrorReason
 NOTIFY_KIND_UNSPECIFIED: NotifyKind
 NOTIFY_KIND_CONSUMED: NotifyKind
 NOTIFY_KIND_ABORTED: NotifyKind

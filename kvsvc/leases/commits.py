@@ -1,0 +1,88 @@
+"""What a progressive lease committed, epoch by epoch (docs/ARCHITECTURE.md, "Progressive
+pull"). Values only: no asyncio, no I/O.
+
+A progressive lease is opened before P's prefill ends and grows: each commit appends the
+blocks of one more chunk to every group and moves the lease's commit epoch on by one. The
+commit rule: commits only append (a committed block stays in the lease, with its content,
+until the lease is released); a commit names the next epoch; the same epoch sent again with
+the same blocks is a retry, answered as the first; anything else is refused, typed; nothing
+is committed after the final commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.reasons import Reason
+
+MAX_COMMITS = 4096  # epochs one lease may reach: a 1M-token prompt in chunks of 256
+
+
+@dataclass
+class CommitLog:
+    """The commit epochs of one progressive lease: after epoch e, group g held ends[e-1][g]
+    of the lease's block ids (the first ends[e-1][g] of its list)."""
+
+    ends: list[tuple[int, ...]] = field(default_factory=list)
+    final: bool = False
+    num_tokens: int = 0
+
+    @classmethod
+    def opened(cls, blocks: Sequence[np.ndarray], num_tokens: int, final: bool = False) -> CommitLog:
+        """The log of a lease opened with `blocks` (possibly none): epoch 1."""
+        return cls([tuple(int(a.size) for a in blocks)], final, num_tokens)
+
+    @property
+    def epoch(self) -> int:
+        return len(self.ends)
+
+    def accept(self, request_id: str, held: Sequence[np.ndarray], epoch: int, appended: Sequence[np.ndarray],
+               num_tokens: int, final: bool) -> bool:
+        """Check a commit against the log and the lease's blocks (held). True: a new commit,
+        which the caller applies (append, then record()); False: a retry of a commit already
+        made, with the same blocks (nothing to do). Raises the typed refusal otherwise."""
+        where = {"request_id": request_id, "commit_epoch": epoch, "lease_commit_epoch": self.epoch}
+        if len(appended) != len(held):
+            raise InvalidArgument(Reason.INVALID_FIELD, f"the commit has {len(appended)} groups, the lease "
+                                  f"{len(held)}", {**where, "field": "block_ids_per_group", "groups": len(appended),
+                                                   "lease_groups": len(held)})
+        if 2 <= epoch <= self.epoch:  # a retry: the same blocks, or a conflict
+            start, end = self.ends[epoch - 2], self.ends[epoch - 1]
+            same = all(np.array_equal(h[s:e], a) for h, s, e, a in zip(held, start, end, appended, strict=True))
+            if not same or (epoch == self.epoch and final != self.final) or (epoch < self.epoch and final):
+                raise FailedPrecondition(Reason.COMMIT_CONFLICT, f"commit epoch {epoch} of request {request_id!r} "
+                                         "was made with other blocks: a committed chunk never changes", where)
+            return False
+        if self.final:
+            raise FailedPrecondition(Reason.LEASE_FINAL, f"request {request_id!r} had its final commit (epoch "
+                                     f"{self.epoch}): nothing is committed after it", where)
+        if epoch != self.epoch + 1:
+            raise FailedPrecondition(Reason.COMMIT_OUT_OF_ORDER, f"request {request_id!r} is at commit epoch "
+                                     f"{self.epoch}: the next commit is epoch {self.epoch + 1}, not {epoch}", where)
+        if epoch > MAX_COMMITS:
+            raise InvalidArgument(Reason.FIELD_TOO_LARGE, f"a lease takes at most {MAX_COMMITS} commits",
+                                  {**where, "max_commits": MAX_COMMITS})
+        if num_tokens < self.num_tokens:
+            raise InvalidArgument(Reason.INVALID_FIELD, f"num_tokens {num_tokens} is less than the {self.num_tokens} "
+                                  "already committed", {**where, "field": "num_tokens"})
+        return True
+
+    def record(self, held: Sequence[np.ndarray], num_tokens: int, final: bool) -> int:
+        """A commit was applied (held: the lease's blocks after it); its epoch."""
+        self.ends.append(tuple(int(a.size) for a in held))
+        self.num_tokens = num_tokens
+        self.final = final
+        return self.epoch
+
+    def since(self, after_epoch: int) -> list[tuple[int, int]]:
+        """Per group, the (start, end) of the block ids committed after after_epoch (0: all)."""
+        if not 0 <= after_epoch <= self.epoch:
+            raise FailedPrecondition(Reason.COMMIT_OUT_OF_ORDER, f"commit epoch {after_epoch} was never reached "
+                                     f"(the lease is at {self.epoch})",
+                                     {"after_epoch": after_epoch, "lease_commit_epoch": self.epoch})
+        start = self.ends[after_epoch - 1] if after_epoch else (0,) * len(self.ends[-1])
+        return list(zip(start, self.ends[-1], strict=True))

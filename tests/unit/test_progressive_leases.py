@@ -1,0 +1,176 @@
+"""Progressive leases in the lease table (docs/ARCHITECTURE.md, "Progressive pull"): the
+commit rule, the wait for the next commit (on an event, woken by the commit or the
+release), what a stale or early epoch gets, and the promises of a plain lease kept
+mid-stream (one owner, consumed only once final, blocks freed only when no lease holds
+them, every waiter told how its lease ended)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvsvc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvsvc.leases.records import blocks_digest
+from kvsvc.leases.table import LeaseState, LeaseTable, NotifyKind
+
+CLAIM = "c" * 32
+OTHER = "o" * 32
+
+
+@pytest.fixture
+async def table():
+    t = LeaseTable(epoch=3, hosted_ranks=[0], tp_size=1, default_ttl_s=5.0, max_ttl_s=60.0)
+    t.start()
+    yield t
+    await t.close()
+
+
+def opened(table: LeaseTable, rid: str = "r", first: list[list[int]] | None = None):
+    lease = table.publish(rid, first if first is not None else [[1, 2], [7]], None, num_tokens=32, progressive=True)
+    table.claim(rid, 3, token=lease.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=1)
+    return lease
+
+
+def commit(table, lease, epoch, blocks, final=False, num_tokens=64):
+    return table.commit(lease.request_id, 3, token=lease.token, commit_epoch=epoch, block_ids=blocks,
+                        num_tokens=num_tokens, final=final)
+
+
+def ids(lease) -> list[list[int]]:
+    return [a.tolist() for a in lease.block_ids]
+
+
+async def wait(table, rid="r", after=1, timeout_s=5.0, claim_id=CLAIM):
+    return await table.wait_commit(rid, 3, claim_id=claim_id, d_engine_id="D", after_epoch=after,
+                                   timeout_s=timeout_s)
+
+
+async def test_commits_append_and_a_waiter_is_woken_by_the_next_one(table):
+    lease = opened(table)
+    waiter = asyncio.ensure_future(wait(table, after=1))
+    await asyncio.sleep(0)  # the waiter holds its event now
+    assert not waiter.done()
+    commit(table, lease, 2, [[3], [8, 9]])
+    got, since = await asyncio.wait_for(waiter, 5)
+    assert ids(got) == [[1, 2, 3], [7, 8, 9]] and since == [(2, 3), (1, 3)]
+    # A D that lost that answer asks again with the epoch it has: the same blocks, at once.
+    assert (await wait(table, after=1))[1] == [(2, 3), (1, 3)]
+    assert (await wait(table, after=0))[1] == [(0, 3), (0, 3)]
+
+
+async def test_a_retried_commit_is_answered_as_the_first_and_a_changed_one_refused(table):
+    lease = opened(table)
+    commit(table, lease, 2, [[3], [8]])
+    commit(table, lease, 2, [[3], [8]])  # the same commit again (its answer was lost)
+    assert ids(lease) == [[1, 2, 3], [7, 8]] and lease.commits.epoch == 2
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 2, [[4], [8]])
+    assert e.value.reason == "COMMIT_CONFLICT" and e.value.metadata["commit_epoch"] == "2"
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 4, [[4], [9]])  # epoch 3 never came
+    assert e.value.reason == "COMMIT_OUT_OF_ORDER"
+    with pytest.raises(InvalidArgument) as e:
+        commit(table, lease, 3, [[4]])  # one group of two
+    assert e.value.reason == "INVALID_FIELD"
+    assert ids(lease) == [[1, 2, 3], [7, 8]]  # nothing of the refused commits stayed
+
+
+async def test_nothing_is_committed_after_the_final_commit(table):
+    lease = opened(table)
+    commit(table, lease, 2, [[3], []], final=True, num_tokens=80)
+    commit(table, lease, 2, [[3], []], final=True, num_tokens=80)  # a retry of the final commit
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 3, [[4], []])
+    assert e.value.reason == "LEASE_FINAL"
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 2, [[3], []], final=False)  # the final commit, sent back as not final
+    assert e.value.reason == "COMMIT_CONFLICT"
+    assert lease.digest == blocks_digest([np.array([1, 2, 3]), np.array([7])], 80)
+
+
+async def test_consumed_only_after_the_final_commit_and_over_its_blocks(table):
+    lease = opened(table)
+    with pytest.raises(FailedPrecondition) as e:
+        table.claim("r", 3, token=lease.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=1, consumed=True)
+    assert e.value.reason == "LEASE_NOT_FINAL"
+    with pytest.raises(FailedPrecondition) as e:
+        table.notify("r", NotifyKind.CONSUMED, [0], 3, claim_id=CLAIM)
+    assert e.value.reason == "LEASE_NOT_FINAL"
+    assert table.get("r").state is LeaseState.CLAIMED
+    commit(table, lease, 2, [[3], [8]], final=True)
+    with pytest.raises(InvalidArgument) as e:  # read by params of the blocks before the last chunk
+        table.claim("r", 3, token=lease.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=1, consumed=True,
+                    digest=blocks_digest([np.array([1, 2]), np.array([7])], 32))
+    assert e.value.reason == "PARAMS_INCONSISTENT"
+    assert table.claim("r", 3, token=lease.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=1, consumed=True,
+                       digest=blocks_digest(lease.block_ids, 64)).state is LeaseState.CONSUMED
+
+
+async def test_a_release_mid_stream_wakes_the_waiter_with_how_the_lease_ended(table):
+    lease = opened(table)
+    waiter = asyncio.ensure_future(wait(table, after=1))
+    await asyncio.sleep(0)
+    table.notify("r", NotifyKind.ABORTED, [], 3, claim_id=CLAIM)  # P's engine, or D, gives the request up
+    with pytest.raises(FailedPrecondition) as e:
+        await asyncio.wait_for(waiter, 5)
+    assert e.value.reason == "LEASE_EXPIRED" and e.value.metadata["state"] == "aborted"
+    with pytest.raises(FailedPrecondition) as e:  # P's engine commits a chunk after the release
+        commit(table, lease, 2, [[3], []])
+    assert e.value.reason == "LEASE_EXPIRED"
+    assert table.leased_blocks == 0
+
+
+async def test_committed_blocks_are_held_until_the_release_and_shared_ones_after(table):
+    lease = opened(table, first=[[1], []])
+    plain = table.publish("plain", [[3], []], None)  # another request shares block 3
+    commit(table, lease, 2, [[3, 4], [5]])
+    assert table.leased_blocks == 1 + 1 + 3
+    events = table.subscribe()
+    table.notify("r", NotifyKind.ABORTED, [], 3, claim_id=CLAIM)
+    ev = await asyncio.wait_for(events.__anext__(), 5)
+    assert [a.tolist() for a in ev.block_ids] == [[1, 3, 4], [5]]
+    assert [a.tolist() for a in ev.free_block_ids] == [[1, 4], [5]]  # 3 is still the other lease's
+    events.close()
+    assert table.leased_blocks == 1 and table.get("plain") is plain
+
+
+async def test_waits_are_for_the_claimant_of_a_progressive_lease_only(table):
+    lease = opened(table)
+    with pytest.raises(PermissionDenied) as e:
+        await wait(table, claim_id=OTHER)
+    assert e.value.reason == "LEASE_NOT_OWNER"
+    whole = table.publish("whole", [[1]], None)
+    table.claim("whole", 3, token=whole.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=1)
+    with pytest.raises(FailedPrecondition) as e:
+        await wait(table, rid="whole")
+    assert e.value.reason == "LEASE_NOT_PROGRESSIVE"
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, whole, 2, [[2]])
+    assert e.value.reason == "LEASE_NOT_PROGRESSIVE"
+    with pytest.raises(FailedPrecondition) as e:  # an epoch the lease never reached
+        await wait(table, after=5)
+    assert e.value.reason == "COMMIT_OUT_OF_ORDER"
+    assert lease.commits.epoch == 1
+
+
+async def test_a_wait_with_nothing_committed_ends_empty_at_its_bound_and_renews_the_lease(table):
+    lease = opened(table)
+    before = lease.expires_at
+    got, since = await wait(table, after=1, timeout_s=0.0)  # the bound: nothing came
+    assert since == [(2, 2), (1, 1)] and got is lease
+    assert lease.expires_at >= before
+    assert table.commit_waits.waiting == 0
+
+
+async def test_waiters_end_when_the_table_closes():
+    t = LeaseTable(epoch=3, hosted_ranks=[0], tp_size=1, default_ttl_s=5.0, max_ttl_s=60.0)
+    t.start()
+    opened(t)
+    waiter = asyncio.ensure_future(wait(t, after=1))
+    await asyncio.sleep(0)
+    await t.close()
+    with pytest.raises(Exception) as e:
+        await asyncio.wait_for(waiter, 5)
+    assert getattr(e.value, "reason", "") == "SHUTTING_DOWN"
