@@ -65,6 +65,9 @@ export class KvsvcClient {
   // Settled state of a D-side transfer (after a cancelled or failed Transfer, before reusing its blocks).
   waitTransfer(request: { request_id: string; wait_ms?: number }, options?: CallOptions): Promise<WaitTransferResponse>;
   listLeases(request?: { limit?: number; request_id_prefix?: string; request_ids?: string[] }, options?: CallOptions): Promise<Record<string, unknown>>;
+  // Progressive leases (PublishBlocks with progressive: true): P's next chunk, and D's claimant waiting for it.
+  commitBlocks(request: { request_id: string; lease_token: string; commit_epoch: number; block_ids_per_group: BlockIds[]; num_tokens?: number | string; final?: boolean }, options?: CallOptions): Promise<{ commit_epoch: number; lease_expires_unix_ms: string }>;
+  waitCommit(request: { request_id: string; lease_epoch: number | string; engine_id: string; claim_id: string; after_epoch: number; wait_ms?: number }, options?: CallOptions): Promise<{ commit_epoch: number; final: boolean; block_ids_per_group: BlockIds[]; num_tokens: string; lease_remaining_ms: number }>;
   watchReleases(): AsyncIterableIterator<ReleaseEvent> & { cancel(): void };
   // Transfers as messages on one TransferStream (what an engine that runs many uses).
   transferStream(): TransferChannel;

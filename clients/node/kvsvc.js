@@ -102,13 +102,14 @@ const REASONS = loadReasons();
 const UNARY = {
   getInfo: 'GetInfo', handshake: 'Handshake', publishBlocks: 'PublishBlocks', claimLease: 'ClaimLease',
   planTransfer: 'PlanTransfer', transfer: 'Transfer', notify: 'Notify', waitTransfer: 'WaitTransfer',
-  listLeases: 'ListLeases',
+  listLeases: 'ListLeases', commitBlocks: 'CommitBlocks', waitCommit: 'WaitCommit',
 };
 // Safe to send twice: a Transfer joins its running job by request id, a claim with the
-// same claim id is granted again, a notification is applied once. PublishBlocks is not
-// (a second call would lease the blocks again), so it is never retried.
+// same claim id is granted again, a notification is applied once, a commit sent again
+// with its epoch and blocks is answered as the first. PublishBlocks is not (a second call
+// would lease the blocks again), so it is never retried.
 const IDEMPOTENT = new Set(['GetInfo', 'Handshake', 'ClaimLease', 'PlanTransfer', 'Transfer', 'Notify', 'WaitTransfer',
-  'ListLeases']);
+  'ListLeases', 'CommitBlocks', 'WaitCommit']);
 
 // UNAVAILABLE with no kvsvc ErrorInfo: the call never reached a kvsvc server (connection
 // refused, reset before an answer); a server's own UNAVAILABLE answer carries a reason.

@@ -172,6 +172,18 @@ class AsyncClient:
         """PublishBlocks with a whole request message (never retried: see ClientOptions.retries)."""
         return await self._call(self._stub.PublishBlocks, request, timeout_s, idempotent=False)  # type: ignore[no-any-return]
 
+    async def commit_blocks(self, request: pb.CommitBlocksRequest, *,
+                            timeout_s: float | None = None) -> pb.CommitBlocksResponse:
+        """Append a chunk to a progressive lease (retried safely: a commit sent again with the
+        same epoch and blocks is answered as the first)."""
+        return await self._call(self._stub.CommitBlocks, request, timeout_s)  # type: ignore[no-any-return]
+
+    async def wait_commit(self, request: pb.WaitCommitRequest, *,
+                          timeout_s: float | None = None) -> pb.WaitCommitResponse:
+        """The blocks a progressive lease committed after request.after_epoch, waiting up to
+        request.wait_ms for the next commit (timeout_s should leave room for that wait)."""
+        return await self._call(self._stub.WaitCommit, request, timeout_s)  # type: ignore[no-any-return]
+
     async def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
                           traceparent: str = "") -> pb.ClaimLeaseResponse:
         """traceparent: the W3C trace context of the transfer this claim is for, if any."""
@@ -337,6 +349,13 @@ class Client:
     def claim_lease(self, request: pb.ClaimLeaseRequest, *, timeout_s: float | None = None,
                     traceparent: str = "") -> pb.ClaimLeaseResponse:
         return self._run(self._async.claim_lease(request, timeout_s=timeout_s, traceparent=traceparent))
+
+    def commit_blocks(self, request: pb.CommitBlocksRequest, *,
+                      timeout_s: float | None = None) -> pb.CommitBlocksResponse:
+        return self._run(self._async.commit_blocks(request, timeout_s=timeout_s))
+
+    def wait_commit(self, request: pb.WaitCommitRequest, *, timeout_s: float | None = None) -> pb.WaitCommitResponse:
+        return self._run(self._async.wait_commit(request, timeout_s=timeout_s))
 
     def plan_transfer(self, request: pb.PlanTransferRequest, *, timeout_s: float | None = None) -> pb.PlanTransferResponse:
         return self._run(self._async.plan_transfer(request, timeout_s=timeout_s))

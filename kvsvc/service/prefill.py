@@ -108,6 +108,10 @@ def _ttl_s(ms: int) -> float | None:
 
 async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) -> pb.PublishBlocksResponse:
     """Lease the blocks here (and, for the engine's own call, on every sibling server)."""
+    if req.progressive and not req.lease_token and siblings.known:
+        raise InvalidArgument(Reason.INVALID_FIELD, "a progressive lease is not fanned out to sibling servers: open "
+                              "it on each server under one lease_token (and commit on each)",
+                              {"field": "progressive", "siblings": len(siblings.known)})
     lease, groups = lease_here(node, req)
     if lease.content is not None:  # the digests are of the bytes as they are when this answers
         await asyncio.shield(lease.content)
@@ -123,7 +127,7 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
         remote_address=node.address, remote_engine_id=node.config.engine_id, remote_request_id=req.request_id,
         remote_block_ids_per_group=block_ids_to_proto(groups), remote_epoch=node.epoch,
         remote_tp_size=node.config.tp_size, lease_token=lease.token, remote_servers=servers,
-        remote_dcp_size=node.layout.dcp_size, remote_num_tokens=req.num_tokens)
+        remote_dcp_size=node.layout.dcp_size, remote_num_tokens=req.num_tokens, progressive=req.progressive)
     return pb.PublishBlocksResponse(params=params, lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
 
 
@@ -134,27 +138,49 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     node.require_data_plane("PublishBlocks")
     check_id(req.request_id, "request_id")
     check_id(req.lease_token, "lease_token")
-    check_block_lists([g.block_ids for g in req.block_ids_per_group], "block_ids_per_group")
-    groups = [list(g.block_ids) for g in req.block_ids_per_group]
-    if len(groups) != len(node.layout.groups):
-        raise InvalidArgument(Reason.UNKNOWN_GROUP, f"block ids name {len(groups)} groups but the layout has "
-                              f"{len(node.layout.groups)}", {"given_groups": len(groups),
-                                                             "layout_groups": len(node.layout.groups)})
-    for g, ids in enumerate(groups):
-        check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
-    _check_num_tokens(node, req.num_tokens, groups)
+    groups = checked_groups(node, req.block_ids_per_group)
+    if req.progressive:
+        check_progressive(node)
+        check_num_tokens(req.num_tokens, "num_tokens")  # blocks cover the tokens once final
+    else:
+        check_blocks_cover(node, req.num_tokens, groups)
     # Counted per lease asked for, made or refused (one D gave up on before it was made), so
     # that the n-th lease is the engine's n-th request.
     fault = node.faults.next_lease() if node.faults is not None else None
     lease = node.leases.publish(req.request_id, groups, _ttl_s(req.lease_ttl_ms), token=req.lease_token,
-                                num_tokens=req.num_tokens)
+                                num_tokens=req.num_tokens, progressive=req.progressive)
     content.take(node, lease, now=fault == "block_rewritten")  # digests before that fault rewrites
     if fault is not None:
         _fault_of(node, lease, fault)
     return lease, groups
 
 
-def _check_num_tokens(node: Node, num_tokens: int, groups: list[list[int]]) -> None:
+def checked_groups(node: Node, block_ids_per_group: Sequence[pb.BlockIds]) -> list[list[int]]:
+    """Block ids from an engine, one list per group of this server's layout, each in its pool."""
+    check_block_lists([g.block_ids for g in block_ids_per_group], "block_ids_per_group")
+    groups = [list(g.block_ids) for g in block_ids_per_group]
+    if len(groups) != len(node.layout.groups):
+        raise InvalidArgument(Reason.UNKNOWN_GROUP, f"block ids name {len(groups)} groups but the layout has "
+                              f"{len(node.layout.groups)}", {"given_groups": len(groups),
+                                                             "layout_groups": len(node.layout.groups)})
+    for g, ids in enumerate(groups):
+        check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
+    return groups
+
+
+def check_progressive(node: Node) -> None:
+    """What a progressive lease does not go with yet (docs/ARCHITECTURE.md, "Progressive pull")."""
+    if node.config.content_digest:
+        raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, "this server takes content digests "
+                                 "(content_digest), which progressive leases do not carry yet: lease the request "
+                                 "whole", {"content_digest": "true"})
+    if node.layout.dcp_size > 1:
+        raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, f"this engine runs DCP {node.layout.dcp_size}, which "
+                                 "progressive leases do not take yet: lease the request whole",
+                                 {"dcp_size": node.layout.dcp_size})
+
+
+def check_blocks_cover(node: Node, num_tokens: int, groups: list[list[int]]) -> None:
     """A DCP engine must say how long the request is; a length must fit the blocks published."""
     check_num_tokens(num_tokens, "num_tokens")
     dcp = node.layout.dcp_size

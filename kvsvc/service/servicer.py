@@ -29,7 +29,7 @@ from kvsvc.limits import (
 from kvsvc.mapping.planner import Side
 from kvsvc.mapping.topology import tp_ratio
 from kvsvc.reasons import Reason
-from kvsvc.service import peer_transports, prefill
+from kvsvc.service import peer_transports, prefill, progressive
 from kvsvc.service.auth import caller_names, is_engine, require_engine
 from kvsvc.service.decode import Decoder
 from kvsvc.service.errors import Malformed, rpc_errors, to_status
@@ -120,6 +120,17 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     ) -> pb.PublishBlocksResponse:
         require_engine(self.node, caller_names(context), "publish blocks")
         return await prefill.publish(self.node, request, self.siblings)
+
+    @rpc_errors
+    async def CommitBlocks(self, request: pb.CommitBlocksRequest,
+                           context: grpc.aio.ServicerContext) -> pb.CommitBlocksResponse:
+        require_engine(self.node, caller_names(context), "commit blocks")
+        return progressive.commit(self.node, request)
+
+    @rpc_errors
+    async def WaitCommit(self, request: pb.WaitCommitRequest, context: grpc.aio.ServicerContext) -> pb.WaitCommitResponse:
+        with traced("wait_commit", request, context_from_metadata(context.invocation_metadata())):
+            return await progressive.wait_commit(self.node, request, caller_names(context))
 
     @rpc_errors
     async def ClaimLease(self, request: pb.ClaimLeaseRequest, context: grpc.aio.ServicerContext) -> pb.ClaimLeaseResponse:

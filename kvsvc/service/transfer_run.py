@@ -119,6 +119,10 @@ class TransferRun:
         """Check the pair against the params and plan every hosted rank's READs. Raises
         before anything is posted (the caller gives P its lease back)."""
         node, p = self.node, self.p
+        if p.progressive:  # its blocks are not all in the params: reading those alone would look done
+            raise FailedPrecondition(Reason.LEASE_NOT_FINAL, "the params name a progressive lease, which this "
+                                     "server does not pull yet (docs/ARCHITECTURE.md, \"Progressive pull\")",
+                                     {"request_id": p.remote_request_id})
         side = self.legs[0].peer.side
         for leg in self.legs:
             if (p.remote_tp_size and p.remote_tp_size != leg.peer.tp_size) or leg.peer.side != side:

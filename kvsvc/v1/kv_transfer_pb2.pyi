@@ -667,7 +667,7 @@ class EngineServer(_message.Message):
     def __init__(self, address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., lease_serial: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers", "remote_dcp_size", "remote_num_tokens", "lease_pending")
+    __slots__ = ("remote_address", "remote_engine_id", "remote_request_id", "remote_block_ids_per_group", "remote_epoch", "remote_tp_size", "lease_token", "remote_servers", "remote_dcp_size", "remote_num_tokens", "lease_pending", "progressive")
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -679,6 +679,7 @@ class TransferParams(_message.Message):
     REMOTE_DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
     remote_address: str
     remote_engine_id: str
     remote_request_id: str
@@ -690,21 +691,24 @@ class TransferParams(_message.Message):
     remote_dcp_size: int
     remote_num_tokens: int
     lease_pending: bool
-    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ..., remote_dcp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., lease_pending: _Optional[bool] = ...) -> None: ...
+    progressive: bool
+    def __init__(self, remote_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_epoch: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., lease_token: _Optional[str] = ..., remote_servers: _Optional[_Iterable[_Union[EngineServer, _Mapping]]] = ..., remote_dcp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., lease_pending: _Optional[bool] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
 class PublishBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms", "lease_token", "num_tokens")
+    __slots__ = ("request_id", "block_ids_per_group", "lease_ttl_ms", "lease_token", "num_tokens", "progressive")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     lease_ttl_ms: int
     lease_token: str
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    progressive: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ..., lease_token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
 class PublishBlocksResponse(_message.Message):
     __slots__ = ("params", "lease_expires_unix_ms")
@@ -713,6 +717,60 @@ class PublishBlocksResponse(_message.Message):
     params: TransferParams
     lease_expires_unix_ms: int
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class CommitBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "lease_token", "commit_epoch", "block_ids_per_group", "num_tokens", "final")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_token: str
+    commit_epoch: int
+    block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    final: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_token: _Optional[str] = ..., commit_epoch: _Optional[int] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class CommitBlocksResponse(_message.Message):
+    __slots__ = ("commit_epoch", "lease_expires_unix_ms")
+    COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    commit_epoch: int
+    lease_expires_unix_ms: int
+    def __init__(self, commit_epoch: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class WaitCommitRequest(_message.Message):
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "claim_id", "after_epoch", "wait_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_epoch: int
+    engine_id: str
+    claim_id: str
+    after_epoch: int
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., claim_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class WaitCommitResponse(_message.Message):
+    __slots__ = ("commit_epoch", "final", "block_ids_per_group", "num_tokens", "lease_remaining_ms")
+    COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    commit_epoch: int
+    final: bool
+    block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    lease_remaining_ms: int
+    def __init__(self, commit_epoch: _Optional[int] = ..., final: _Optional[bool] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
     __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial", "wait_ms", "want_content")

@@ -97,6 +97,16 @@ class KvTransferServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesResponse.FromString,
                 _registered_method=True)
+        self.CommitBlocks = channel.unary_unary(
+                '/kvsvc.v1.KvTransferService/CommitBlocks',
+                request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.CommitBlocksRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.CommitBlocksResponse.FromString,
+                _registered_method=True)
+        self.WaitCommit = channel.unary_unary(
+                '/kvsvc.v1.KvTransferService/WaitCommit',
+                request_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitCommitRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitCommitResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -217,6 +227,24 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitBlocks(self, request, context):
+        """The P engine appends one computed chunk's blocks to a progressive lease (opened by
+        PublishBlocks with progressive set), under the next commit epoch; the final commit
+        closes it. A retry of a commit made is answered as the first was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitCommit(self, request, context):
+        """Peer-to-peer: D, holding its claim on a progressive lease, asks for the blocks
+        committed after an epoch: answered at once when there are any (or the lease is
+        final), else when the next commit comes or wait_ms passes. Renews the lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +307,16 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.ListLeases,
                     request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesResponse.SerializeToString,
+            ),
+            'CommitBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBlocks,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.CommitBlocksRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.CommitBlocksResponse.SerializeToString,
+            ),
+            'WaitCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitCommit,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitCommitRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__transfer__pb2.WaitCommitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +646,60 @@ class KvTransferService:
             '/kvsvc.v1.KvTransferService/ListLeases',
             kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__transfer__pb2.ListLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.KvTransferService/CommitBlocks',
+            kvsvc_dot_v1_dot_kv__transfer__pb2.CommitBlocksRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__transfer__pb2.CommitBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.KvTransferService/WaitCommit',
+            kvsvc_dot_v1_dot_kv__transfer__pb2.WaitCommitRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__transfer__pb2.WaitCommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,66 @@
+"""The P side of progressive leases (docs/ARCHITECTURE.md, "Progressive pull"): the engine's
+commits, and D's waits for the next one. The state and its rules are the lease table's
+(leases/table.py, leases/commits.py); this checks the calls and speaks protobuf."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvsvc.codec import bad_field, block_ids_to_proto
+from kvsvc.config import Role
+from kvsvc.leases.table import monotonic_to_unix_ms
+from kvsvc.limits import MAX_WAIT_MS, MIN_CLAIM_ID_BYTES, check_id, check_num_tokens, too_big
+from kvsvc.reasons import Reason
+from kvsvc.service.auth import require_peer
+from kvsvc.service.node import Node
+from kvsvc.service.prefill import check_blocks_cover, checked_groups
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+
+def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
+    """The engine's next chunk (the caller is the engine: checked by the servicer)."""
+    node.require_role(Role.PREFILL, "CommitBlocks")
+    if not req.request_id:
+        raise bad_field("request_id", "must be set (the P-side request id)", Reason.MISSING_FIELD)
+    check_id(req.request_id, "request_id")
+    check_id(req.lease_token, "lease_token")
+    if not req.commit_epoch:
+        raise bad_field("commit_epoch", "must be set (the next epoch; the opening publish was 1)",
+                        Reason.MISSING_FIELD)
+    groups = checked_groups(node, req.block_ids_per_group)
+    check_num_tokens(req.num_tokens, "num_tokens")
+    lease = node.leases.get(req.request_id)
+    if req.final and lease is not None:  # the whole lease must cover its tokens, as a lease made whole does
+        check_blocks_cover(node, req.num_tokens, [[*held.tolist(), *more]
+                                                  for held, more in zip(lease.block_ids, groups, strict=True)])
+    lease = node.leases.commit(req.request_id, node.epoch, token=req.lease_token, commit_epoch=req.commit_epoch,
+                               block_ids=groups, num_tokens=req.num_tokens, final=req.final)
+    assert lease.commits is not None
+    return pb.CommitBlocksResponse(commit_epoch=lease.commits.epoch,
+                                   lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+
+
+async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequence[str] = ()) -> pb.WaitCommitResponse:
+    """What the lease committed after req.after_epoch, waiting up to req.wait_ms for it."""
+    node.require_role(Role.PREFILL, "WaitCommit")
+    require_peer(node, req.engine_id, peer_names, "wait for commits")
+    if not req.request_id:
+        raise bad_field("request_id", "must be set (the P-side request id)", Reason.MISSING_FIELD)
+    if not req.lease_epoch:
+        raise bad_field("lease_epoch", "must be set (TransferParams.remote_epoch)", Reason.MISSING_FIELD)
+    for name in ("request_id", "engine_id", "claim_id"):
+        check_id(getattr(req, name), name)
+    if len(req.claim_id.encode()) < MIN_CLAIM_ID_BYTES:
+        raise bad_field("claim_id", "must be the claim this D holds on the lease (ClaimLeaseRequest.claim_id)",
+                        Reason.MISSING_FIELD)
+    if req.wait_ms > MAX_WAIT_MS:
+        raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
+    lease, since = await node.leases.wait_commit(req.request_id, req.lease_epoch, claim_id=req.claim_id,
+                                                 d_engine_id=req.engine_id, after_epoch=req.after_epoch,
+                                                 timeout_s=req.wait_ms / 1000)
+    assert lease.commits is not None
+    blocks = [held[start:end] for held, (start, end) in zip(lease.block_ids, since, strict=True)]
+    return pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,
+                                 block_ids_per_group=block_ids_to_proto(blocks), num_tokens=lease.commits.num_tokens,
+                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
