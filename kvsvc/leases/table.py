@@ -269,6 +269,13 @@ class LeaseTable:
         serial (the lease's, as its params say; 0: unchecked): a later lease of the same id
         (and token, where an engine derives tokens from ids) is refused with LEASE_EXPIRED.
         """
+        growing = self._live.get(request_id) if consumed and epoch == self.epoch else None
+        if growing is not None and growing.commits is not None and not growing.commits.final:
+            _check_token(growing, token)  # refused before any claim is granted: the answer changes nothing
+            raise FailedPrecondition(Reason.LEASE_NOT_FINAL, f"request {request_id!r} is still growing (commit "
+                                     f"epoch {growing.commits.epoch}): it is consumed only once read after its "
+                                     "final commit", {"request_id": request_id,
+                                                      "lease_commit_epoch": growing.commits.epoch})
         try:
             lease = self._grant(request_id, epoch, token=token, claim_id=claim_id, d_engine_id=d_engine_id,
                                 d_tp_size=d_tp_size, d_ranks=d_ranks, extend_s=extend_s, d_dcp_size=d_dcp_size,
@@ -279,11 +286,6 @@ class LeaseTable:
             raise
         if consumed:
             assert lease.tracker is not None
-            if lease.commits is not None and not lease.commits.final:
-                raise FailedPrecondition(Reason.LEASE_NOT_FINAL, f"request {request_id!r} is still growing (commit "
-                                         f"epoch {lease.commits.epoch}): it is consumed only once read after its "
-                                         "final commit", {"request_id": request_id,
-                                                          "lease_commit_epoch": lease.commits.epoch})
             lease.tracker.notify(sorted(lease.claims[claim_id].d_ranks))
             if lease.tracker.done:  # claimed and consumed in one step: its READs are over
                 self._release(lease, LeaseState.CONSUMED)

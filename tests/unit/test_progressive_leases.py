@@ -95,6 +95,13 @@ async def test_consumed_only_after_the_final_commit_and_over_its_blocks(table):
     with pytest.raises(FailedPrecondition) as e:
         table.claim("r", 3, token=lease.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=1, consumed=True)
     assert e.value.reason == "LEASE_NOT_FINAL"
+    early = table.publish("early", [[4]], None, progressive=True)
+    with pytest.raises(FailedPrecondition) as e:  # refused before it claims anything
+        table.claim("early", 3, token=early.token, claim_id=OTHER, d_engine_id="D", d_tp_size=1, consumed=True)
+    assert e.value.reason == "LEASE_NOT_FINAL" and early.state is LeaseState.OFFERED and not early.claims
+    with pytest.raises(PermissionDenied) as e:  # and only to a holder of its token
+        table.claim("early", 3, token="f" * 32, claim_id=OTHER, d_engine_id="D", d_tp_size=1, consumed=True)
+    assert e.value.reason == "LEASE_TOKEN_MISMATCH"
     with pytest.raises(FailedPrecondition) as e:
         table.notify("r", NotifyKind.CONSUMED, [0], 3, claim_id=CLAIM)
     assert e.value.reason == "LEASE_NOT_FINAL"
