@@ -151,3 +151,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def test_node_opens_commits_and_waits_on_a_progressive_lease():
+    """CommitBlocks and WaitCommit from Node.js against a live P server; the consumed claim
+    over the final blocks, from Python, releases the lease the Node client grew."""
+    from kvsvc.leases.records import blocks_digest
+    from kvsvc.v1 import kv_transfer_pb2 as pb
+
+    with servers(1, 1, layout_table(k=4)) as (p, _d):
+        rc, out, err = await run_node("examples/progressive.js", p.address)
+        assert rc == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["progressive"] is True and got["next_epoch"] == 2
+        assert [[int(b) for b in g] for g in got["next_blocks"]] == [[5]]
+        assert got["out_of_order"] == {"code": "FAILED_PRECONDITION", "reason": "COMMIT_OUT_OF_ORDER", "typed": True}
+        assert got["final_epoch"] == 3 and got["tail_final"] is True
+        assert [[int(b) for b in g] for g in got["tail_blocks"]] == [[6]]
+        async with AsyncClient(p.address) as pc:
+            done = await pc.claim_lease(pb.ClaimLeaseRequest(
+                request_id="node-grow", lease_epoch=int(got["lease_epoch"]), engine_id="node-d", tp_size=1,
+                lease_token=got["lease_token"], claim_id=got["claim_id"], consumed=True,
+                blocks_digest=blocks_digest([[1, 2, 5, 6]], 16)))
+            assert done.state == pb.LEASE_STATE_CONSUMED
+            assert (await pc.get_info()).live_leases == 0
