@@ -162,13 +162,7 @@ class LeaseTable:
                              "wait for releases", {"live_leases": len(self._live), "max_live_leases": self.max_live},
                              code=ErrorCode.RESOURCE_EXHAUSTED)
         blocks = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
-        count = sum(int(a.size) for a in blocks)
-        if self._holders.leased_blocks + count > self.max_leased_blocks:
-            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._holders.leased_blocks} block ids are leased, and {count} "
-                             f"more would pass the most this server keeps ({self.max_leased_blocks}); wait for "
-                             "releases", {"leased_blocks": self._holders.leased_blocks, "asked": count,
-                                          "max_leased_blocks": self.max_leased_blocks},
-                             code=ErrorCode.RESOURCE_EXHAUSTED)
+        self._check_block_quota(blocks)
         ttl = self.default_ttl_s if not ttl_s else ttl_s
         if ttl > self.max_ttl_s:
             raise InvalidArgument(Reason.LEASE_TTL_TOO_LONG, f"lease_ttl_ms {int(ttl * 1000)} exceeds the maximum "
@@ -211,13 +205,7 @@ class LeaseTable:
         appended = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
         if not lease.commits.accept(request_id, lease.block_ids, commit_epoch, appended, num_tokens, final):
             return lease  # a retry of a commit made
-        count = sum(int(a.size) for a in appended)
-        if self._holders.leased_blocks + count > self.max_leased_blocks:
-            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._holders.leased_blocks} block ids are leased, and "
-                             f"{count} more would pass the most this server keeps ({self.max_leased_blocks}); wait "
-                             "for releases", {"leased_blocks": self._holders.leased_blocks, "asked": count,
-                                              "max_leased_blocks": self.max_leased_blocks},
-                             code=ErrorCode.RESOURCE_EXHAUSTED)
+        self._check_block_quota(appended)
         self._holders.hold(appended, +1)
         lease.block_ids = [np.concatenate((held, more)) for held, more in zip(lease.block_ids, appended, strict=True)]
         lease.commits.record(lease.block_ids, num_tokens, final)
@@ -481,6 +469,16 @@ class LeaseTable:
             raise FailedPrecondition(Reason.LEASE_EXPIRED, f"request {request_id!r} holds no live lease ({state})",
                                      {"request_id": request_id, "state": state})
         return lease
+
+    def _check_block_quota(self, blocks: list[np.ndarray]) -> None:
+        """Refuse block ids past max_leased_blocks across live leases (4 bytes each, and more)."""
+        count = sum(int(a.size) for a in blocks)
+        if self._holders.leased_blocks + count > self.max_leased_blocks:
+            raise KvsvcError(Reason.TOO_MANY_LEASED_BLOCKS, f"{self._holders.leased_blocks} block ids are leased, and {count} "
+                             f"more would pass the most this server keeps ({self.max_leased_blocks}); wait for "
+                             "releases", {"leased_blocks": self._holders.leased_blocks, "asked": count,
+                                          "max_leased_blocks": self.max_leased_blocks},
+                             code=ErrorCode.RESOURCE_EXHAUSTED)
 
     def _extend(self, lease: Lease, extend_s: float | None) -> None:
         ttl = min(extend_s or self.default_ttl_s, self.max_ttl_s)

@@ -181,3 +181,18 @@ async def test_waiters_end_when_the_table_closes():
     with pytest.raises(Exception) as e:
         await asyncio.wait_for(waiter, 5)
     assert getattr(e.value, "reason", "") == "SHUTTING_DOWN"
+
+
+async def test_commits_count_against_the_servers_block_quota():
+    t = LeaseTable(epoch=3, hosted_ranks=[0], tp_size=1, default_ttl_s=5.0, max_ttl_s=60.0, max_leased_blocks=4)
+    t.start()
+    try:
+        lease = opened(t)  # 3 block ids
+        with pytest.raises(Exception) as e:
+            commit(t, lease, 2, [[3], [8]])  # 5 would pass 4
+        assert getattr(e.value, "reason", "") == "TOO_MANY_LEASED_BLOCKS"
+        assert ids(lease) == [[1, 2], [7]] and lease.commits.epoch == 1 and t.leased_blocks == 3
+        commit(t, lease, 2, [[3], []])
+        assert t.leased_blocks == 4
+    finally:
+        await t.close()
