@@ -223,7 +223,7 @@ def claimed(node: Node, req: pb.ClaimLeaseRequest,
     """The lease a claim found (None: consumed before, by this claim's retry) and its answer."""
     node.require_role(Role.PREFILL, "ClaimLease")
     require_peer(node, req.engine_id, peer_names, "claim leases")
-    _check_lease_ids(req)
+    check_lease_ids(req)
     if req.tp_size == 0:
         raise bad_field("tp_size", "must be positive", Reason.MISSING_FIELD)
     check_tp_size(req.tp_size, "tp_size")
@@ -284,13 +284,15 @@ def _release_if_faulted(node: Node, request_id: str) -> None:
             node.leases.notify(lease.request_id, NotifyKind.ABORTED, [], node.epoch, token=lease.token)
 
 
-def _check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest) -> None:
+def check_lease_ids(req: pb.ClaimLeaseRequest | pb.NotifyRequest | pb.WaitCommitRequest) -> None:
+    """The ids a D's lease call names: request id and epoch set, each id within its limits."""
     if not req.request_id:
         raise bad_field("request_id", "must be set (the P-side request id)", Reason.MISSING_FIELD)
     if not req.lease_epoch:
         raise bad_field("lease_epoch", "must be set (TransferParams.remote_epoch)", Reason.MISSING_FIELD)
     for name in ("request_id", "engine_id", "lease_token", "claim_id"):
-        check_id(getattr(req, name), name)
+        if name in req.DESCRIPTOR.fields_by_name:
+            check_id(getattr(req, name), name)
 
 
 def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) -> pb.NotifyResponse:
@@ -299,7 +301,7 @@ def notify(node: Node, req: pb.NotifyRequest, peer_names: Sequence[str] = ()) ->
         require_engine(node, peer_names, "withdraw leases")
     else:
         require_peer(node, req.engine_id, peer_names, "notify")
-    _check_lease_ids(req)
+    check_lease_ids(req)
     if req.kind not in NOTIFY_KINDS:
         raise bad_field("kind", "NotifyKind must be set (NOTIFY_KIND_UNSPECIFIED is rejected)", Reason.UNSPECIFIED_ENUM,
                         value=req.kind)

@@ -14,7 +14,7 @@ from kvsvc.limits import MAX_WAIT_MS, MIN_CLAIM_ID_BYTES, check_id, check_num_to
 from kvsvc.reasons import Reason
 from kvsvc.service.auth import require_peer
 from kvsvc.service.node import Node
-from kvsvc.service.prefill import check_blocks_cover, checked_groups
+from kvsvc.service.prefill import check_blocks_cover, check_lease_ids, checked_groups
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -45,12 +45,7 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
     """What the lease committed after req.after_epoch, waiting up to req.wait_ms for it."""
     node.require_role(Role.PREFILL, "WaitCommit")
     require_peer(node, req.engine_id, peer_names, "wait for commits")
-    if not req.request_id:
-        raise bad_field("request_id", "must be set (the P-side request id)", Reason.MISSING_FIELD)
-    if not req.lease_epoch:
-        raise bad_field("lease_epoch", "must be set (TransferParams.remote_epoch)", Reason.MISSING_FIELD)
-    for name in ("request_id", "engine_id", "claim_id"):
-        check_id(getattr(req, name), name)
+    check_lease_ids(req)
     if len(req.claim_id.encode()) < MIN_CLAIM_ID_BYTES:
         raise bad_field("claim_id", "must be the claim this D holds on the lease (ClaimLeaseRequest.claim_id)",
                         Reason.MISSING_FIELD)
