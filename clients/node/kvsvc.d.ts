@@ -60,7 +60,7 @@ export class KvsvcClient {
   publishBlocks(request: { request_id: string; block_ids_per_group: BlockIds[]; lease_ttl_ms?: number; num_tokens?: number | string }, options?: CallOptions): Promise<PublishBlocksResponse>;
   claimLease(request: Record<string, unknown>, options?: CallOptions): Promise<{ lease_expires_unix_ms: string; lease_remaining_ms: number }>;
   planTransfer(request: Record<string, unknown>, options?: CallOptions): Promise<PlanTransferResponse>;
-  transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[] }, options?: CallOptions): Promise<TransferResponse>;
+  transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[]; local_prefix_tokens?: number }, options?: CallOptions): Promise<TransferResponse>;
   notify(request: Record<string, unknown>, options?: CallOptions): Promise<NotifyResponse>;
   // Settled state of a D-side transfer (after a cancelled or failed Transfer, before reusing its blocks).
   waitTransfer(request: { request_id: string; wait_ms?: number }, options?: CallOptions): Promise<WaitTransferResponse>;
@@ -76,7 +76,7 @@ export class KvsvcClient {
 
 export class TransferChannel {
   // As KvsvcClient.transfer; the same answers and errors.
-  transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[] }, options?: CallOptions): Promise<TransferResponse>;
+  transfer(request: { request_id: string; params: TransferParams; local_block_ids_per_group: BlockIds[]; local_prefix_tokens?: number }, options?: CallOptions): Promise<TransferResponse>;
   close(): void;
 }
 

@@ -195,10 +195,12 @@ class AsyncClient:
 
     async def transfer(
         self, request_id: str, params: pb.TransferParams, local_block_ids_per_group: Sequence[Sequence[int]],
-        *, timeout_s: float | None = None,
+        *, timeout_s: float | None = None, local_prefix_tokens: int = 0,
     ) -> pb.TransferResponse:
+        """local_prefix_tokens: progressive params only (TransferRequest.local_prefix_tokens)."""
         req = pb.TransferRequest(request_id=request_id, params=params,
-                                 local_block_ids_per_group=blocks_proto(local_block_ids_per_group))
+                                 local_block_ids_per_group=blocks_proto(local_block_ids_per_group),
+                                 local_prefix_tokens=local_prefix_tokens)
         return await self.transfer_request(req, timeout_s=timeout_s)
 
     async def transfer_request(self, req: pb.TransferRequest, *, timeout_s: float | None = None,
@@ -362,9 +364,10 @@ class Client:
 
     def transfer(self, request_id: str, params: pb.TransferParams,
                  local_block_ids_per_group: Sequence[Sequence[int]], *,
-                 timeout_s: float | None = None) -> pb.TransferResponse:
+                 timeout_s: float | None = None, local_prefix_tokens: int = 0) -> pb.TransferResponse:
         """Read params' blocks into local_block_ids_per_group (request_id: the D-side id)."""
-        return self._run(self._async.transfer(request_id, params, local_block_ids_per_group, timeout_s=timeout_s))
+        return self._run(self._async.transfer(request_id, params, local_block_ids_per_group, timeout_s=timeout_s,
+                                              local_prefix_tokens=local_prefix_tokens))
 
     def notify(self, request: pb.NotifyRequest, *, timeout_s: float | None = None,
                traceparent: str = "") -> pb.NotifyResponse:

@@ -352,7 +352,12 @@ class LeaseTable:
                 self.arrivals.arrived(request_id)  # a claim waiting for it is refused now
             return (dead.state if dead else None), []
         claim = lease.claims.get(claim_id) if claim_id else None
-        if claim is None or withdraw:
+        if withdraw and lease.commits is not None and not lease.commits.final:
+            # The engine ends its own growing lease (the request was aborted before its last
+            # chunk), claimed or not: D's waits hear LEASE_EXPIRED and its confirm is refused,
+            # so what it read is never used (as when a lease expires under its READs).
+            _check_token(lease, token)
+        elif claim is None or withdraw:
             self._check_unclaimed_access(lease, kind, token)
         if withdraw:
             if kind is not NotifyKind.ABORTED:

@@ -98,6 +98,11 @@ def _check_request(req: pb.TransferRequest) -> None:
     check_num_tokens(p.remote_num_tokens, "params.remote_num_tokens")
     check_block_lists([g.block_ids for g in p.remote_block_ids_per_group], "params.remote_block_ids_per_group")
     check_block_lists([g.block_ids for g in req.local_block_ids_per_group], "local_block_ids_per_group")
+    check_num_tokens(req.local_prefix_tokens, "local_prefix_tokens")
+    if req.local_prefix_tokens and not p.progressive:
+        raise bad_field("local_prefix_tokens", "is for progressive params only: a plain transfer names the tail "
+                        "of the request's blocks it reads, and the lists are paired at their ends",
+                        Reason.INVALID_FIELD)
 
 
 class Decoder:

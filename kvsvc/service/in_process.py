@@ -72,9 +72,11 @@ class InProcessLeases:
         return lease
 
     def withdraw(self, request_id: str, token: str) -> bool:
-        """Take back an unclaimed lease. True: nobody can read the blocks any more (withdrawn,
-        already released, or never made; no release is announced); False: D holds a claim
-        and reads, and the release that ends it comes through on_release."""
+        """Take back an unclaimed lease, or a progressive one not final yet (claimed or not).
+        True: the blocks are the engine's again (withdrawn, already released, or never made;
+        no release is announced; a D following a growing lease fails typed and never uses
+        what its READs still in flight read); False: D holds a claim on a whole lease and
+        reads, and the release that ends it comes through on_release."""
         try:
             self._node.leases.notify(request_id, NotifyKind.ABORTED, [], self._node.epoch, token=token, withdraw=True)
         except PermissionDenied:

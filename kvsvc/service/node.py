@@ -192,7 +192,8 @@ class Node:
 
     # ---- planning -------------------------------------------------------------------
 
-    def plan(self, remote: Side, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]],
+    def plan(self, remote: Side, local_ids: Sequence[Sequence[int] | np.ndarray],
+             remote_ids: Sequence[Sequence[int] | np.ndarray],
              ranks: Sequence[int], validated: bool = False, remote_num_tokens: int = 0) -> list[RankPlan]:
         if not validated:
             validate_pair(self.side, remote)

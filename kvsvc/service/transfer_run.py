@@ -28,7 +28,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,10 +47,13 @@ from kvsvc.errors import (
     Unreachable,
 )
 from kvsvc.leases.table import blocks_digest
-from kvsvc.mapping.planner import RankPlan
+from kvsvc.mapping.geometry import check_block_ids
+from kvsvc.mapping.planner import RankPlan, Side
+from kvsvc.mapping.progressive import ProgressiveBlocks
 from kvsvc.memory.pools import MemoryKind
 from kvsvc.reasons import Reason
 from kvsvc.service import content
+from kvsvc.service.commit_follower import CommitFollower, group_shapes
 from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_all, confirm_all, heartbeat
 from kvsvc.service.node import Node
 from kvsvc.service.peers import RemoteRank
@@ -112,6 +115,8 @@ class TransferRun:
         self.keepers: list[asyncio.Future[None]] = []  # its heartbeats
         self.reads_done: asyncio.Future[None] | None = None
         self.own: Ownership | None = None
+        self.growing: ProgressiveBlocks | None = None  # a progressive lease's progress (plan: _follow)
+        self.follower: CommitFollower
 
     # ---- phases ---------------------------------------------------------------------
 
@@ -119,10 +124,6 @@ class TransferRun:
         """Check the pair against the params and plan every hosted rank's READs. Raises
         before anything is posted (the caller gives P its lease back)."""
         node, p = self.node, self.p
-        if p.progressive:  # its blocks are not all in the params: reading those alone would look done
-            raise FailedPrecondition(Reason.LEASE_NOT_FINAL, "the params name a progressive lease, which this "
-                                     "server does not pull yet (docs/ARCHITECTURE.md, \"Progressive pull\")",
-                                     {"request_id": p.remote_request_id})
         side = self.legs[0].peer.side
         for leg in self.legs:
             if (p.remote_tp_size and p.remote_tp_size != leg.peer.tp_size) or leg.peer.side != side:
@@ -135,32 +136,67 @@ class TransferRun:
                                   f"engine runs DCP {side.layout.dcp_size}",
                                   {"params_dcp_size": p.remote_dcp_size, "remote_dcp_size": side.layout.dcp_size})
         local_ids = block_ids_from_proto(self.req.local_block_ids_per_group)
+        self.fault = node.faults.next_transfer() if node.faults is not None else None
+        if p.progressive:
+            self.growing = self._follow(side, local_ids)
+            self.marks.append(("plan", time.perf_counter()))
+            return []  # planned chunk by chunk as P commits (_pull)
         remote_ids = block_ids_from_proto(p.remote_block_ids_per_group)
-        ranks = {r: rr for leg in self.legs for r, rr in leg.peer.ranks.items()}
-        plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True,
-                          remote_num_tokens=p.remote_num_tokens)
-        reads = [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
+        reads = self._reads(side, local_ids, remote_ids, p.remote_num_tokens)
         self.marks.append(("plan", time.perf_counter()))
         self.own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16),
                              node.layout.dcp_size, traceparent(self.span), blocks_digest(remote_ids, p.remote_num_tokens),
                              want_content=node.config.content_digest)
         self.remote_ids = remote_ids
-        self.fault = node.faults.next_transfer() if node.faults is not None else None
         return reads
+
+    def _reads(self, side: Side, local_ids: Sequence[Sequence[int] | np.ndarray],
+               remote_ids: Sequence[Sequence[int] | np.ndarray], remote_num_tokens: int) -> list[Read]:
+        node = self.node
+        ranks = {r: rr for leg in self.legs for r, rr in leg.peer.ranks.items()}
+        plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True,
+                          remote_num_tokens=remote_num_tokens)
+        return [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
+
+    def _follow(self, side: Side, local_ids: list[list[int]]) -> ProgressiveBlocks:
+        """A progressive lease's transfer: D's blocks aligned from the request's start (after
+        the prefix it holds), and a claim that carries no digest (the blocks are not all
+        known yet) and asks for none (progressive leases carry none)."""
+        node, p = self.node, self.p
+        if node.layout.dcp_size > 1 or side.layout.dcp_size > 1:
+            raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, "progressive leases are not pulled between "
+                                     "engines with DCP yet: lease the request whole",
+                                     {"dcp_size": node.layout.dcp_size, "remote_dcp_size": side.layout.dcp_size})
+        if len(local_ids) != len(node.layout.groups):
+            raise InvalidArgument(Reason.UNKNOWN_GROUP, f"local block ids name {len(local_ids)} groups but the "
+                                  f"layout has {len(node.layout.groups)}",
+                                  {"side": "local", "given_groups": len(local_ids),
+                                   "layout_groups": len(node.layout.groups)})
+        for g, ids in enumerate(local_ids):  # all of them before the first READ, as a plain plan does
+            check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
+        self.own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16),
+                             node.layout.dcp_size, traceparent(self.span))
+        self.follower = CommitFollower(self.legs, self.own, len(node.layout.groups))
+        return ProgressiveBlocks(local_ids, group_shapes(node.layout), prefix_tokens=self.req.local_prefix_tokens,
+                                 local_block_size=node.layout.block_size, remote_block_size=side.layout.block_size)
 
     async def execute(self, reads: list[Read]) -> pb.TransferResponse:
         """Post, wait, confirm; every failure through one path. Answers only once no READ of
         it can still write, whatever happened (a cancel of the job included)."""
         try:
-            await self._post(reads)
-            self.marks.append(("post", time.perf_counter()))
-            self._inject("cancel_mid_read")
-            await self._wait()
-            self.marks.append(("reads", time.perf_counter()))
-            self._inject("read_error")
-            if self._inject("corrupt_landed"):
-                _flip_a_landed_byte(self.node, reads)
-            landed = self._hash_landed(reads)  # on a worker thread, while P confirms
+            if self.growing is not None:
+                await self._pull()
+                landed = None  # progressive leases carry no digests (docs/ARCHITECTURE.md)
+            else:
+                await self._post(reads)
+                self.marks.append(("post", time.perf_counter()))
+                self._inject("cancel_mid_read")
+                await self._wait()
+                self.marks.append(("reads", time.perf_counter()))
+                self._inject("read_error")
+                if self._inject("corrupt_landed"):
+                    _flip_a_landed_byte(self.node, reads)
+                landed = self._hash_landed(reads)  # on a worker thread, while P confirms
             try:
                 await self._confirm()
             finally:
@@ -199,6 +235,42 @@ class TransferRun:
                     self.posted.extend(_parts(t, post.result(), ln))
                 raise
             self.posted.extend(_parts(t, post.result(), ln))
+
+    async def _pull(self) -> None:
+        """A progressive lease's READs: claim it at once, then read each chunk as P commits
+        it while waiting (on P, never polling) for the next, until the final commit's blocks
+        were read. The lease is kept alive by the waits and by heartbeats; the confirm after
+        is the early claim's (it is refused until the lease is final)."""
+        growing, follower = self.growing, self.follower
+        assert growing is not None and self.own is not None
+        self.claimed = claimed = self._claim()
+        self.keepers = [asyncio.ensure_future(heartbeat(leg, self.own, claimed)) for leg in self.legs]
+        await claimed
+        first = True
+        while not growing.done:
+            if self._left() <= 0:
+                raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the prefill engine had not committed the "
+                                       "request's last blocks by the deadline",
+                                       {"request_id": self.req.request_id, "commit_epoch": follower.epoch})
+            await follower.wait(self._left())
+            _check_ended_reads(self.posted)  # a READ of an earlier chunk that failed ends the stream now
+            chunk = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final)
+            if chunk is None:
+                continue
+            await self._post(self._reads(self.legs[0].peer.side, *chunk, 0))
+            if first:
+                first = False
+                self.marks.append(("post", time.perf_counter()))
+                self._inject("cancel_mid_read")
+        self.reads_done = reads_done = asyncio.ensure_future(_all_read(self.posted))
+        try:
+            async with asyncio.timeout(self._left()):
+                await asyncio.shield(reads_done)
+        except TimeoutError as e:
+            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
+                                   {"request_id": self.req.request_id}) from e
+        self.marks.append(("reads", time.perf_counter()))
+        self._inject("read_error")
 
     async def _wait(self) -> None:
         """Until the READs end; one still running after EARLY_CLAIM_S claims the lease meanwhile."""
@@ -478,6 +550,11 @@ async def _all_read(posted: list[Posted]) -> None:
         await asyncio.gather(*(x.flight.result for x in posted))
     except TransferError as e:
         raise Internal(Reason.TRANSFER_FAILED, f"a READ failed: {e}") from e
+
+
+def _check_ended_reads(posted: list[Posted]) -> None:
+    """TRANSFER_FAILED when a READ that ended failed (those still running are not waited for)."""
+    _check_read([x for x in posted if x.flight.result.done()])
 
 
 def _check_read(posted: list[Posted]) -> None:

@@ -928,14 +928,16 @@ class PlanTransferResponse(_message.Message):
     def __init__(self, rank_plans: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., total_descriptors: _Optional[int] = ..., prefix_blocks_skipped_per_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("request_id", "params", "local_block_ids_per_group")
+    __slots__ = ("request_id", "params", "local_block_ids_per_group", "local_prefix_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: TransferParams
     local_block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    local_prefix_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., local_block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., local_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class RankTransferResult(_message.Message):
     __slots__ = ("local_rank", "bytes", "num_descriptors", "duration_us")

@@ -1,17 +1,18 @@
 """Progressive leases over the wire (docs/ARCHITECTURE.md, "Progressive pull"), against
 real server processes: P's engine opens a lease at its first chunk and commits the rest;
 D's claimant follows the commits with WaitCommit (held on P until the next commit, never
-polled) and reports the lease consumed only over its final blocks. A D server that does
-not pull progressive leases yet refuses their params typed, before any READ, and gives
-P the lease back. (D's transfer that pulls commits as they come is not built yet.)"""
+polled) and reports the lease consumed only over its final blocks; D's Transfer reads each
+chunk while P computes the next, and every way a stream can end early leaves nothing held."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import pytest
 
+from kvsvc.cli.procs import start_server
 from kvsvc.errors import FailedPrecondition, InvalidArgument, KvsvcError, PermissionDenied
 from kvsvc.leases.records import blocks_digest
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -137,16 +138,130 @@ async def test_a_release_mid_stream_ends_the_held_wait_and_later_commits():
             assert ev.reason == pb.RELEASE_REASON_ABORTED
 
 
-async def test_a_d_server_refuses_progressive_params_before_any_read_and_gives_the_lease_back():
+async def claimed_on_p(s, request_id: str) -> None:
+    """Until P's lease of request_id is claimed (D's transfer is following it)."""
+    for _ in range(2000):
+        leases = (await s.pc.list_leases(request_ids=[request_id])).leases
+        if leases and leases[0].state == pb.LEASE_STATE_CLAIMED:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{request_id} was never claimed")
+
+
+async def landed_on_d(s, d_ids: list[int], first_position: int = 0) -> None:
+    """Until D's blocks d_ids hold P's request blocks from first_position on."""
+    for _ in range(2000):
+        if not s.de.check([d_ids], [first_position]):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"D's blocks {d_ids} never held P's: {s.de.check([d_ids], [first_position])}")
+
+
+async def test_d_reads_each_chunk_while_p_still_prefills_and_consumes_the_lease_once_final():
+    with servers(1, 1, LAYOUT) as (p, d):
+        async with session(p, d) as s:
+            p_ids, d_ids = [1, 2, 5, 6, 9], [11, 12, 13, 14, 15]
+            s.pe.fill([p_ids])  # P's request: what each block holds once computed
+            params = (await s.pc.publish_blocks_request(opening("stream", [1, 2]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-stream", params, [d_ids], timeout_s=60))
+            await claimed_on_p(s, "stream")
+            await landed_on_d(s, d_ids[:2])  # the first chunk landed while P still computes the rest
+            await s.pc.commit_blocks(committing(params, 2, [5, 6], 16))
+            await landed_on_d(s, d_ids[:4])
+            assert not moving.done()  # D waits for the tail: the lease is not final
+            await s.pc.commit_blocks(committing(params, 3, [9], 18, final=True))
+            resp = await asyncio.wait_for(moving, 60)
+            assert not s.de.check([d_ids], num_tokens=18)
+            per_block = sum(r.block_len for r in s.de.mem[0].regions)
+            assert resp.total_bytes == per_block * len(d_ids)  # each block read once
+            (ev,) = await s.watch.wait_for("stream")
+            assert ev.reason == pb.RELEASE_REASON_CONSUMED and list(ev.block_ids_per_group[0].block_ids) == p_ids
+            assert (await s.pc.get_info()).live_leases == 0
+
+
+async def test_a_prefix_d_holds_is_not_read_and_a_lease_final_before_d_comes_is_read_at_once():
+    with servers(1, 1, LAYOUT) as (p, d):
+        async with session(p, d) as s:
+            p_ids, d_tail = [1, 2, 3, 4], [20, 21]
+            s.pe.fill([p_ids])
+            params = (await s.pc.publish_blocks_request(opening("prefixed", [1, 2]))).params
+            await s.pc.commit_blocks(committing(params, 2, [3, 4], 15, final=True))
+            before = s.de.snapshot()
+            await s.dc.transfer("d-prefixed", params, [d_tail], local_prefix_tokens=8, timeout_s=60)
+            assert not s.de.check([d_tail], [2], num_tokens=15)  # P's blocks 3 and 4, after D's 8 tokens
+            s.de.restore_blocks(before, [d_tail])
+            assert s.de.snapshot() == before  # nothing else on D was written
+            (ev,) = await s.watch.wait_for("prefixed")
+            assert ev.reason == pb.RELEASE_REASON_CONSUMED
+
+
+async def test_an_abort_on_p_mid_stream_fails_the_transfer_typed_and_leaves_nothing_held():
+    with servers(1, 1, LAYOUT) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([[1, 2, 3]])
+            params = (await s.pc.publish_blocks_request(opening("dropped", [1, 2]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-dropped", params, [[11, 12, 13]], timeout_s=60))
+            await claimed_on_p(s, "dropped")
+            await landed_on_d(s, [11, 12])
+            # P's engine aborts the request before its last chunk (it withdraws the lease).
+            await s.pc.notify(pb.NotifyRequest(request_id="dropped", lease_epoch=params.remote_epoch,
+                                               lease_token=params.lease_token, kind=pb.NOTIFY_KIND_ABORTED,
+                                               withdraw=True))
+            with pytest.raises(FailedPrecondition) as e:
+                await asyncio.wait_for(moving, 60)
+            assert e.value.reason == "LEASE_EXPIRED"
+            failure = next(x for x in e.value.details if isinstance(x, pb.TransferFailure))
+            assert list(failure.valid_local_block_ids_per_group) == []  # none of D's blocks counts as read
+            with pytest.raises(FailedPrecondition) as e:  # the engine's next chunk: the lease is gone
+                await s.pc.commit_blocks(committing(params, 2, [3], 12, final=True))
+            assert e.value.reason == "LEASE_EXPIRED"
+            assert (await s.pc.get_info()).live_leases == 0
+            assert (await s.dc.list_leases()).running_transfers == 0
+
+
+async def test_d_giving_up_mid_stream_gives_p_its_lease_back():
     with servers(1, 1, LAYOUT) as (p, d):
         async with session(p, d) as s:
             s.pe.fill([[1, 2]])
-            params = (await s.pc.publish_blocks_request(opening("early", [1, 2]))).params
-            with pytest.raises(KvsvcError) as e:
-                await s.dc.transfer("d-early", params, [[3, 4]])
-            assert e.value.reason == "LEASE_NOT_FINAL"
-            (ev,) = await s.watch.wait_for("early")
+            params = (await s.pc.publish_blocks_request(opening("given-up", [1]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-given-up", params, [[11, 12]], timeout_s=60))
+            await claimed_on_p(s, "given-up")
+            await landed_on_d(s, [11])
+            moving.cancel()  # D's caller goes away while D waits for the next commit
+            with pytest.raises(asyncio.CancelledError):
+                await moving
+            (ev,) = await s.watch.wait_for("given-up")
             assert ev.reason == pb.RELEASE_REASON_ABORTED
+            with pytest.raises(FailedPrecondition) as e:
+                await s.pc.commit_blocks(committing(params, 2, [2], 8, final=True))
+            assert e.value.reason == "LEASE_EXPIRED"
+            assert (await s.pc.get_info()).live_leases == 0
+
+
+async def test_a_lease_p_never_finishes_ends_at_d_deadline_and_blocks_that_cannot_pair_are_refused():
+    with servers(1, 1, LAYOUT) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([[1, 2, 3]])
+            params = (await s.pc.publish_blocks_request(opening("stalled", [1]))).params
+            with pytest.raises(KvsvcError) as e:
+                await s.dc.transfer("d-stalled", params, [[11, 12]], timeout_s=3)
+            assert e.value.reason == "DEADLINE_EXCEEDED"
+            (ev,) = await s.watch.wait_for("stalled")
+            assert ev.reason == pb.RELEASE_REASON_ABORTED
+            # D named one block; P commits a second whole one: the lists cannot pair.
+            params = (await s.pc.publish_blocks_request(opening("short", [1]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-short", params, [[11]], timeout_s=60))
+            await claimed_on_p(s, "short")
+            await s.pc.commit_blocks(committing(params, 2, [2], 8))
+            with pytest.raises(InvalidArgument) as e:
+                await asyncio.wait_for(moving, 60)
+            assert e.value.reason == "BLOCK_COUNT_MISMATCH"
+            (ev,) = await s.watch.wait_for("short")
+            assert ev.reason == pb.RELEASE_REASON_ABORTED
+            with pytest.raises(InvalidArgument) as e:  # the field is for progressive params only
+                whole = (await s.pc.publish_blocks("whole", [[3]])).params
+                await s.dc.transfer("d-whole", whole, [[11]], local_prefix_tokens=4)
+            assert e.value.reason == "INVALID_FIELD" and e.value.metadata["field"] == "local_prefix_tokens"
 
 
 async def test_a_server_with_content_digests_refuses_to_open_one():
@@ -160,3 +275,104 @@ async def test_a_server_with_content_digests_refuses_to_open_one():
             await pc.publish_blocks_request(opening("digested", [1]))
         assert e.value.reason == "LEASE_NOT_PROGRESSIVE" and e.value.metadata["content_digest"] == "true"
         assert (await pc.get_info()).live_leases == 0
+
+
+async def test_a_p_killed_mid_stream_fails_the_transfer_typed_and_d_holds_nothing():
+    p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=1, layout=LAYOUT)
+    d = start_server(engine_id="e2e-decode", role="decode", tp_size=1, layout=LAYOUT)
+    try:
+        async with session(p, d) as s:
+            s.pe.fill([[1, 2, 3]])
+            params = (await s.pc.publish_blocks_request(opening("killed", [1, 2]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-killed", params, [[11, 12, 13]], timeout_s=60))
+            await claimed_on_p(s, "killed")
+            await landed_on_d(s, [11, 12])
+            p.kill()  # P dies while D waits for its next commit
+            with pytest.raises(KvsvcError) as e:
+                await asyncio.wait_for(moving, 60)
+            assert e.value.reason == "PEER_UNAVAILABLE", e.value
+            failure = next(x for x in e.value.details if isinstance(x, pb.TransferFailure))
+            assert list(failure.valid_local_block_ids_per_group) == [] and not failure.quarantined
+            assert (await s.dc.list_leases()).running_transfers == 0
+    finally:
+        d.stop()
+        p.stop()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "d_block", "tokens"), [(2, 1, 4, 37), (1, 2, 4, 37), (1, 1, 8, 37),
+                                                                  (2, 1, 16, 47)])
+async def test_streams_pair_blocks_across_tp_sizes_and_block_sizes(p_tp, d_tp, d_block, tokens):
+    """Chunks that end inside a D block (D's blocks of 8 or 16 tokens hold 2 or 4 of P's):
+    a D block is read once all of it is committed, the last one partly filled."""
+    p_ids = list(range(1, 1 + -(-tokens // TOKENS)))  # the last one partly filled
+    d_ids = list(range(20, 20 + -(-tokens // d_block)))
+    with servers(p_tp, d_tp, LAYOUT, layout_table(k=2, block=d_block)) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([p_ids])
+            params = (await s.pc.publish_blocks_request(opening("tp", p_ids[:3]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-tp", params, [d_ids], timeout_s=60))
+            await claimed_on_p(s, "tp")
+            epoch, committed = 1, 3
+            for upto in (5, 9):  # chunks of 2 and 4 blocks
+                epoch += 1
+                await s.pc.commit_blocks(committing(params, epoch, p_ids[committed:upto], TOKENS * upto))
+                committed = upto
+            await landed_on_d(s, d_ids[:TOKENS * committed // d_block])  # read before the final commit
+            await s.pc.commit_blocks(committing(params, epoch + 1, p_ids[committed:], tokens, final=True))
+            await asyncio.wait_for(moving, 60)
+            assert not s.de.check([d_ids], num_tokens=tokens)
+            (ev,) = await s.watch.wait_for("tp")
+            assert ev.reason == pb.RELEASE_REASON_CONSUMED
+
+
+async def test_a_p_engine_over_two_servers_streams_each_servers_lease_and_d_reads_what_both_committed():
+    """Each P server of the engine holds and grows its own lease of the request (a worker
+    commits to its server); D follows both and reads a chunk once both committed it."""
+    from kvsvc.cli.procs import start_engine
+    from kvsvc.client import AsyncClient
+    from tests.e2e.harness import Engine, ReleaseWatch
+
+    token = secrets.token_hex(16)
+    p_procs = start_engine(engine_id="e2e-prefill", role="prefill", tp_size=2, layout=LAYOUT, servers=2)
+    d = start_server(engine_id="e2e-decode", role="decode", tp_size=2, layout=LAYOUT)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            pcs = [await stack.enter_async_context(AsyncClient(sp.address)) for sp in p_procs]
+            dc = await stack.enter_async_context(AsyncClient(d.address))
+            pes, de = [await Engine.of(c) for c in pcs], await Engine.of(dc)
+            watches = [await ReleaseWatch.open(c) for c in pcs]
+            p_ids, d_ids = [1, 2, 3, 4, 5], [11, 12, 13, 14, 15]
+            for pe in pes:
+                pe.fill([p_ids])
+            servers_ = []
+            for c in pcs:
+                info = await c.get_info()
+                req = opening("two", [1, 2])
+                req.lease_token = token  # the engine's token: each server leases its own ranks, no fan-out
+                await c.publish_blocks_request(req)
+                servers_.append(pb.EngineServer(address=c.address, ranks=list(info.hosted_ranks),
+                                                epoch=info.epoch))
+            params = pb.TransferParams(remote_address=servers_[0].address, remote_engine_id="e2e-prefill",
+                                       remote_request_id="two", remote_epoch=servers_[0].epoch, remote_tp_size=2,
+                                       lease_token=token, remote_servers=servers_, progressive=True,
+                                       remote_block_ids_per_group=[pb.BlockIds(block_ids=[1, 2])])
+            moving = asyncio.ensure_future(dc.transfer("d-two", params, [d_ids], timeout_s=60))
+            # The servers commit apart, as two workers do: the second lags a chunk behind.
+            await pcs[0].commit_blocks(committing(params, 2, [3, 4], 16))
+            await pcs[0].commit_blocks(committing(params, 3, [5], 18, final=True))
+            await pcs[1].commit_blocks(committing(params, 2, [3, 4], 16))
+            assert not moving.done()
+            await pcs[1].commit_blocks(committing(params, 3, [5], 18, final=True))
+            await asyncio.wait_for(moving, 60)
+            assert not de.check([d_ids], num_tokens=18)
+            for w, c in zip(watches, pcs, strict=True):
+                (ev,) = await w.wait_for("two")
+                assert ev.reason == pb.RELEASE_REASON_CONSUMED
+                assert (await c.get_info()).live_leases == 0
+                await w.close()
+            for e in (*pes, de):
+                e.close()
+    finally:
+        d.stop()
+        for sp in p_procs:
+            sp.stop()

@@ -196,3 +196,24 @@ async def test_commits_count_against_the_servers_block_quota():
         assert t.leased_blocks == 4
     finally:
         await t.close()
+
+
+async def test_the_engine_ends_its_growing_lease_claimed_or_not_but_not_a_final_one(table):
+    """An abort on P before the last chunk: the engine withdraws the lease even though D
+    claimed it (D's wait hears LEASE_EXPIRED, its confirm is refused); once final, the lease
+    is D's to finish, as a whole lease is."""
+    lease = opened(table)
+    waiter = asyncio.ensure_future(wait(table, after=1))
+    await asyncio.sleep(0)
+    with pytest.raises(PermissionDenied) as e:  # the token is the engine's proof
+        table.notify("r", NotifyKind.ABORTED, [], 3, token="x" * 32, withdraw=True)
+    assert e.value.reason == "LEASE_TOKEN_MISMATCH" and table.get("r") is not None
+    assert table.notify("r", NotifyKind.ABORTED, [], 3, token=lease.token, withdraw=True)[0] is LeaseState.ABORTED
+    with pytest.raises(FailedPrecondition) as e:
+        await asyncio.wait_for(waiter, 5)
+    assert e.value.reason == "LEASE_EXPIRED" and table.leased_blocks == 0
+    final = opened(table, "f")
+    commit(table, final, 2, [[3], []], final=True)
+    with pytest.raises(PermissionDenied) as e:
+        table.notify("f", NotifyKind.ABORTED, [], 3, token=final.token, withdraw=True)
+    assert e.value.reason == "LEASE_NOT_OWNER" and table.get("f") is not None

@@ -1,0 +1,126 @@
+"""D's side of a progressive lease (docs/ARCHITECTURE.md, "Progressive pull"): the WaitCommit
+conversation with every P server of a transfer, and what they committed, agreed.
+
+Each P server of an engine (one per worker, in a many-server engine) holds its own lease of
+the request and is committed to by its own worker; the block ids are the engine's, the
+same on every rank. What D may read is what every server committed: per group, the
+prefix of their lists they all hold, checked equal (two servers naming other blocks for
+the same request is PARAMS_INCONSISTENT, never a guess). The lease is final when every
+server's is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsvc.codec import block_ids_from_proto
+from kvsvc.errors import InvalidArgument
+from kvsvc.layout.engine import EngineLayout
+from kvsvc.layout.kinds import policy_of
+from kvsvc.layout.specs import SpecFamily
+from kvsvc.limits import MAX_WAIT_MS
+from kvsvc.mapping.progressive import GroupShape
+from kvsvc.reasons import Reason
+from kvsvc.service.legs import LeaseClock, Leg, Ownership
+from kvsvc.v1 import kv_transfer_pb2 as pb
+
+# A wait for the next commit is held on P at most this long (then asked again): short enough
+# that a P which stopped answering is noticed by the call's own timeout, long enough that an
+# idle stream costs one call every few seconds, not a poll.
+COMMIT_WAIT_S = 5.0
+# Room beyond the wait for its answer to travel.
+COMMIT_WAIT_MARGIN_S = 1.0
+
+
+def group_shapes(layout: EngineLayout) -> list[GroupShape]:
+    return [GroupShape(whole_state=g.family is SpecFamily.SSM, covers_tokens=policy_of(g.spec_type).blocks_cover_tokens)
+            for g in layout.groups]
+
+
+@dataclass
+class _LegCommits:
+    epoch: int = 0
+    final: bool = False
+    num_tokens: int = 0
+    blocks: list[np.ndarray] = field(default_factory=list)
+
+
+class CommitFollower:
+    """What the P servers of one transfer committed, followed with WaitCommit."""
+
+    def __init__(self, legs: Sequence[Leg], own: Ownership, num_groups: int) -> None:
+        self.legs, self.own = list(legs), own
+        self._of = {id(leg): _LegCommits(blocks=[np.empty(0, np.int64)] * num_groups) for leg in legs}
+        self.waits = 0  # WaitCommit calls made (a test and the trace count them)
+
+    @property
+    def epoch(self) -> int:
+        """The least commit epoch D has of any P server."""
+        return min(c.epoch for c in self._of.values())
+
+    @property
+    def final(self) -> bool:
+        return all(c.final for c in self._of.values())
+
+    @property
+    def num_tokens(self) -> int:
+        return min(c.num_tokens for c in self._of.values())
+
+    def committed(self) -> list[np.ndarray]:
+        """Per group, the blocks every P server committed (the prefix they share)."""
+        per_leg = list(self._of.values())
+        out = []
+        for g in range(len(per_leg[0].blocks)):
+            n = min(c.blocks[g].size for c in per_leg)
+            first = per_leg[0].blocks[g][:n]
+            for leg, c in zip(self.legs[1:], per_leg[1:], strict=True):
+                if not np.array_equal(c.blocks[g][:n], first):
+                    raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"the prefill servers committed other block "
+                                          f"ids for request {self.own.params.remote_request_id!r} in group {g}",
+                                          {"group": g, "address": leg.peer.address})
+            out.append(first)
+        if self.final and len({c.num_tokens for c in per_leg}) > 1:
+            raise InvalidArgument(Reason.PARAMS_INCONSISTENT, "the prefill servers' final commits give other "
+                                  f"lengths for request {self.own.params.remote_request_id!r}",
+                                  {"num_tokens": ",".join(str(c.num_tokens) for c in per_leg)})
+        return out
+
+    async def wait(self, time_left_s: float) -> None:
+        """The next commit of every P server whose lease is not final yet (answered at once
+        where one came since the epoch D has), or until the wait ends with nothing new.
+        Errors are P's (LEASE_EXPIRED once the lease was released) or the call's."""
+        wait_s = max(0.0, min(COMMIT_WAIT_S, MAX_WAIT_MS / 1000, time_left_s - COMMIT_WAIT_MARGIN_S))
+        behind = [leg for leg in self.legs if not self._of[id(leg)].final]
+        answers = await asyncio.gather(*(self._wait_one(leg, wait_s) for leg in behind))
+        for leg, resp in zip(behind, answers, strict=True):
+            self._take(leg, resp)
+
+    async def _wait_one(self, leg: Leg, wait_s: float) -> pb.WaitCommitResponse:
+        self.waits += 1
+        p = self.own.params
+        req = pb.WaitCommitRequest(request_id=p.remote_request_id, lease_epoch=leg.peer.epoch,
+                                   engine_id=self.own.engine_id, claim_id=self.own.claim_id,
+                                   after_epoch=self._of[id(leg)].epoch, wait_ms=int(wait_s * 1000))
+        return await leg.peer.client.wait_commit(req, timeout_s=wait_s + COMMIT_WAIT_MARGIN_S)
+
+    def _take(self, leg: Leg, resp: pb.WaitCommitResponse) -> None:
+        c = self._of[id(leg)]
+        if resp.commit_epoch < c.epoch:  # answers only move forward; an older one is a P that lost state
+            raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"{leg.peer.address} answered commit epoch "
+                                  f"{resp.commit_epoch} after {c.epoch}", {"address": leg.peer.address})
+        more = block_ids_from_proto(resp.block_ids_per_group) if resp.commit_epoch > c.epoch else []
+        if more:
+            if len(more) != len(c.blocks):
+                raise InvalidArgument(Reason.UNKNOWN_GROUP, f"{leg.peer.address} committed {len(more)} groups, "
+                                      f"the layout has {len(c.blocks)}", {"address": leg.peer.address})
+            c.blocks = [np.concatenate((held, np.asarray(ids, np.int64))) for held, ids in zip(c.blocks, more,
+                                                                                               strict=True)]
+        c.epoch, c.final, c.num_tokens = resp.commit_epoch, resp.final, resp.num_tokens
+        if leg.clock is None:
+            leg.clock = LeaseClock(resp.lease_remaining_ms)
+        else:
+            leg.clock.renew(resp.lease_remaining_ms)
