@@ -119,13 +119,14 @@ class EmbeddedServer:
     # ---- P -------------------------------------------------------------------------
 
     def lease(self, request_id: str, blocks: Sequence[Sequence[int]], token: str, ttl_ms: int = 0,
-              num_tokens: int = 0) -> pb.TransferParams:
+              num_tokens: int = 0, progressive: bool = False) -> pb.TransferParams:
         """Lease blocks (one list per group) under token on this rank's server; the params name
         this server alone (a D joins the pieces of every P rank it reads). Raises KvsvcError
-        when refused."""
+        when refused. progressive: open the lease with the first chunk's blocks; commit()
+        appends the rest (docs/ARCHITECTURE.md, "Progressive pull")."""
         ids = [pb.BlockIds(block_ids=group) for group in blocks]
         req = pb.PublishBlocksRequest(request_id=request_id, block_ids_per_group=ids, lease_token=token,
-                                      lease_ttl_ms=ttl_ms, num_tokens=num_tokens)
+                                      lease_ttl_ms=ttl_ms, num_tokens=num_tokens, progressive=progressive)
 
         async def make() -> Lease:
             return self._require_leases().lease(req)
@@ -134,14 +135,29 @@ class EmbeddedServer:
         return pb.TransferParams(
             remote_address=self.address, remote_engine_id=self.config.engine_id, remote_request_id=request_id,
             remote_block_ids_per_group=ids, remote_epoch=self.epoch, remote_tp_size=self.config.tp_size,
-            lease_token=token, remote_num_tokens=num_tokens,
+            lease_token=token, remote_num_tokens=num_tokens, progressive=progressive,
             # The lease's serial: an engine may lease the same request id under the same token
             # again (SGLang's bootstrap room); these params can never claim that later lease.
             remote_servers=[pb.EngineServer(address=self.address, ranks=[self.tp_rank], epoch=self.epoch,
                                             lease_serial=lease.serial)])
 
+    def commit(self, request_id: str, token: str, commit_epoch: int, blocks: Sequence[Sequence[int]],
+               num_tokens: int, final: bool = False) -> None:
+        """Append one chunk's blocks (one list per group) to a progressive lease made by
+        lease(progressive=True), under the next commit epoch (2 after the opening). Raises
+        KvsvcError when refused (LEASE_EXPIRED: D gave the request up or it expired; the
+        release is reported through on_release)."""
+        req = pb.CommitBlocksRequest(request_id=request_id, lease_token=token, commit_epoch=commit_epoch,
+                                     block_ids_per_group=[pb.BlockIds(block_ids=group) for group in blocks],
+                                     num_tokens=num_tokens, final=final)
+
+        async def append() -> None:
+            self._require_leases().commit(req)
+
+        self.loop.run(append(), CALL_TIMEOUT_S)
+
     def withdraw(self, request_id: str, token: str) -> bool:
-        """Take back an unclaimed lease (P aborts the request). True: nobody can read the blocks
+        """Take back an unclaimed lease, or a progressive one not final yet (P aborts the request). True: nobody can read the blocks
         any more (withdrawn, already released, or never made); False: D holds a claim and
         reads, and the release that ends it comes through on_release. Waits for the answer
         however long the server's loop takes (see withdraw_later)."""

@@ -44,6 +44,10 @@ class EngineSettings:
     """P: how long a lease waits for D's claim (0: the server's lease_ttl_s)."""
     transfer_timeout_s: float = 120.0
     """D: a transfer not done by then fails (its request is recomputed or failed, by the engine's policy)."""
+    progressive: bool = False
+    """P (SGLang): open each request's lease at its first chunk and commit each later chunk as
+    it is computed, so D reads while P still prefills (docs/ARCHITECTURE.md, "Progressive
+    pull"). D follows whatever P sends. vLLM: not yet (refused at start)."""
     config: str = ""
     """A kvsvc TOML file whose [server] keys apply to every embedded server."""
     server: Mapping[str, Any] = field(default_factory=dict)
@@ -103,7 +107,11 @@ class EngineSettings:
 
 
 def _typed(value: Any, default: Any, name: str) -> Any:
-    """value as the type of the setting's default: str, int (never a bool or a fraction) or float."""
+    """value as the type of the setting's default: str, bool, int (never a bool or a fraction) or float."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, not {type(value).__name__} {value!r}")
+        return value
     if isinstance(default, str):
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a string, not {type(value).__name__} {value!r}")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvsvc.client.client import blocks_proto
 from kvsvc.errors import KvsvcError, PermissionDenied, Unreachable
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, SubscriberBehind
-from kvsvc.service import prefill
+from kvsvc.service import prefill, progressive
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -70,6 +70,11 @@ class InProcessLeases:
         lease, _ = prefill.lease_here(self._node, req)
         self._leased.add(req.request_id)
         return lease
+
+    def commit(self, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
+        """Append a chunk to a progressive lease made here (PublishBlocksRequest.progressive);
+        raises KvsvcError when refused (LEASE_EXPIRED once D gave it up or it expired)."""
+        return progressive.commit(self._node, req)
 
     def withdraw(self, request_id: str, token: str) -> bool:
         """Take back an unclaimed lease, or a progressive one not final yet (claimed or not).

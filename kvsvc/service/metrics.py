@@ -67,6 +67,11 @@ class Metrics:
                                     ["engine"], registry=r)
         self._releases = Counter("kvsvc_lease_releases", "Leases this P server released, by reason (consumed, "
                                  "expired, aborted)", ["engine", "reason"], registry=r)
+        self._commits = Counter("kvsvc_commits", "Chunks committed to progressive leases on this P server "
+                                "(final: the last of a lease)", ["engine", "final"], registry=r)
+        self._progressive_reads = Counter("kvsvc_progressive_reads", "Chunks D read of progressive leases, by "
+                                          "when (growing: before P's final commit; final: after it)",
+                                          ["engine", "when"], registry=r)
         self._gauges: list[Gauge] = []
         self._http: Any = None
         self._seen: dict[str, set[str]] = {"peer_engine": set(), "reason": set()}
@@ -133,6 +138,12 @@ class Metrics:
     def content_checked(self, checked: int, unchecked: int) -> None:
         self._child(self._content, self.engine, "checked").inc(checked)
         self._child(self._content, self.engine, "unchecked").inc(unchecked)
+
+    def committed(self, final: bool) -> None:
+        self._child(self._commits, self.engine, "true" if final else "false").inc()
+
+    def progressive_read(self, growing: bool) -> None:
+        self._child(self._progressive_reads, self.engine, "growing" if growing else "final").inc()
 
     def content_mismatch(self) -> None:
         self._child(self._content, self.engine, "mismatch").inc()

@@ -14,6 +14,7 @@ from kvsvc.config import Role
 from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcError, lease_not_yet_made
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.layout.kinds import policy_of
+from kvsvc.layout.specs import SpecFamily
 from kvsvc.leases.table import Lease, LeaseState, NotifyKind, Release, SubscriberBehind, monotonic_to_unix_ms
 from kvsvc.limits import (
     MAX_DIGEST_BYTES,
@@ -141,6 +142,7 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
     groups = checked_groups(node, req.block_ids_per_group)
     if req.progressive:
         check_progressive(node)
+        check_growing_blocks(node, groups)
         check_num_tokens(req.num_tokens, "num_tokens")  # blocks cover the tokens once final
     else:
         check_blocks_cover(node, req.num_tokens, groups)
@@ -178,6 +180,15 @@ def check_progressive(node: Node) -> None:
         raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, f"this engine runs DCP {node.layout.dcp_size}, which "
                                  "progressive leases do not take yet: lease the request whole",
                                  {"dcp_size": node.layout.dcp_size})
+
+
+def check_growing_blocks(node: Node, groups: list[list[int]]) -> None:
+    """Blocks opened or committed before a progressive lease's final commit: no SSM state,
+    which the engine rewrites every chunk (committed, it would be read half-made)."""
+    for g, group in enumerate(node.layout.groups):
+        if group.family is SpecFamily.SSM and groups[g]:
+            raise bad_field(f"block_ids_per_group[{g}]", "is an SSM state, which the engine rewrites every chunk: "
+                            "put it in the final commit only", Reason.INVALID_FIELD)
 
 
 def check_blocks_cover(node: Node, num_tokens: int, groups: list[list[int]]) -> None:

@@ -14,7 +14,7 @@ from kvsvc.limits import MAX_WAIT_MS, MIN_CLAIM_ID_BYTES, check_id, check_num_to
 from kvsvc.reasons import Reason
 from kvsvc.service.auth import require_peer
 from kvsvc.service.node import Node
-from kvsvc.service.prefill import check_blocks_cover, check_lease_ids, checked_groups
+from kvsvc.service.prefill import check_blocks_cover, check_growing_blocks, check_lease_ids, checked_groups
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -29,6 +29,8 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
         raise bad_field("commit_epoch", "must be set (the next epoch; the opening publish was 1)",
                         Reason.MISSING_FIELD)
     groups = checked_groups(node, req.block_ids_per_group)
+    if not req.final:
+        check_growing_blocks(node, groups)
     check_num_tokens(req.num_tokens, "num_tokens")
     lease = node.leases.get(req.request_id)
     if req.final and lease is not None:  # the whole lease must cover its tokens, as a lease made whole does
@@ -37,6 +39,7 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
     lease = node.leases.commit(req.request_id, node.epoch, token=req.lease_token, commit_epoch=req.commit_epoch,
                                block_ids=groups, num_tokens=req.num_tokens, final=req.final)
     assert lease.commits is not None
+    node.metrics.committed(req.final)
     return pb.CommitBlocksResponse(commit_epoch=lease.commits.epoch,
                                    lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
 

@@ -258,6 +258,7 @@ class TransferRun:
             if chunk is None:
                 continue
             await self._post(self._reads(self.legs[0].peer.side, *chunk, 0))
+            self.recorded.append(functools.partial(self.node.metrics.progressive_read, not follower.final))
             if first:
                 first = False
                 self.marks.append(("post", time.perf_counter()))

@@ -98,7 +98,7 @@ def leases_left(pd: PD) -> float:
 
 
 def against_aggregated(model: Path, logs: Path, env: dict[str, str], together: list[str], alone: list[str],
-                       check_aggregated: str = "") -> None:
+                       check_aggregated: str = "", progressive: bool = False) -> None:
     """P TP1 -> D TP1 through kvsvc against SGLang's aggregated server: `together` at once
     (token ids exact, logprobs within bf16 rounding), then `alone` one at a time from empty
     caches (exact). Every request was one transfer on D and one consumed lease on P, none
@@ -128,10 +128,28 @@ def against_aggregated(model: Path, logs: Path, env: dict[str, str], together: l
         assert metric(p_metrics, "kvsvc_lease_releases_total", reason="consumed") == requests_made
         assert leases_left(pd) == 0
         assert "Prefill batch" not in pd.d.log.read_text(errors="replace")  # D decoded from P's KV
+        if progressive:  # requests of several chunks went as growing leases, D reading them as they grew
+            # (How many chunks D read before P's final commit depends on the race between P's
+            # chunks and D's claim: printed, not asserted; tests/e2e/test_progressive.py holds it.)
+            print("progressive: P commits", {k: metric(p_metrics, "kvsvc_commits_total", final=k)
+                                             for k in ("true", "false")},
+                  "D chunk reads", {k: metric(d_metrics, "kvsvc_progressive_reads_total", when=k)
+                                    for k in ("growing", "final")})
+            assert metric(p_metrics, "kvsvc_commits_total", final="true") > 0
+            assert metric(p_metrics, "kvsvc_commits_total", final="false") > 0
+            assert metric(d_metrics, "kvsvc_progressive_reads_total", when="growing") \
+                + metric(d_metrics, "kvsvc_progressive_reads_total", when="final") > 0
 
 
 def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
     against_aggregated(model, tmp_path, kvsvc_env, MORE, PROMPTS)
+
+
+def test_progressive_leases_equal_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
+    """KVSVC_SGLANG_PROGRESSIVE: P opens each request's lease at its first chunk and commits
+    each later one; D reads while P prefills (a one-chunk request is leased whole)."""
+    env = {**kvsvc_env, "KVSVC_SGLANG_PROGRESSIVE": "true"}
+    against_aggregated(model, tmp_path, env, MORE, [*PROMPTS, LONG], progressive=True)
 
 
 @pytest.mark.parametrize("tp_p,tp_d,page", [(2, 1, 1), (1, 2, 1), (2, 1, 16)], ids=["p2-d1", "p1-d2", "p2-d1-page16"])
@@ -212,8 +230,16 @@ LONG = "A prompt long enough that prefill takes a while on this machine. " * 50
 NO_RETRIES = ("--disable-retries",)
 
 
-def test_aborts_on_either_side_leave_no_lease_page_or_transfer(model, kvsvc_env, tmp_path):
-    with PD(model, tmp_path, "kvsvc", env=kvsvc_env, router_args=NO_RETRIES) as pd:
+# Each failure test runs with leases made whole after P's last chunk, and with progressive
+# leases (opened at the first chunk and growing while D reads them): LONG's 28 chunks put
+# the abort, or the kill, in the middle of a stream.
+STREAMING = pytest.mark.parametrize("progressive", ["false", "true"], ids=["whole", "progressive"])
+
+
+@STREAMING
+def test_aborts_on_either_side_leave_no_lease_page_or_transfer(model, kvsvc_env, tmp_path, progressive):
+    env = {**kvsvc_env, "KVSVC_SGLANG_PROGRESSIVE": progressive}
+    with PD(model, tmp_path, "kvsvc", env=env, router_args=NO_RETRIES) as pd:
         before = generate(pd.router, greedy(PROMPTS[0], 8))
         # Aborted on P while D waits for it: three long prompts ahead of it keep P busy
         # (about 0.3 s each here), so it is queued or prefilling on P, its pages held on D.
@@ -239,9 +265,11 @@ def test_aborts_on_either_side_leave_no_lease_page_or_transfer(model, kvsvc_env,
         assert generate(pd.router, greedy(PROMPTS[0], 8))["output_ids"] == before["output_ids"]
 
 
-def test_a_killed_prefill_leaves_decode_clean_and_serving(model, kvsvc_env, tmp_path):
+@STREAMING
+def test_a_killed_prefill_leaves_decode_clean_and_serving(model, kvsvc_env, tmp_path, progressive):
     with PD(model, tmp_path, "kvsvc", env={**kvsvc_env, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
-                                           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"},
+                                           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
+                                           "KVSVC_SGLANG_PROGRESSIVE": progressive},
             router_args=NO_RETRIES) as pd:
         before = generate(pd.router, greedy(PROMPTS[0], 8))
         threads = [_generate_in_background(pd.router, greedy(f"{i} {LONG}", 8)) for i in range(4)]
@@ -258,7 +286,7 @@ def test_a_killed_prefill_leaves_decode_clean_and_serving(model, kvsvc_env, tmp_
         _d_is_clean(pd)
         # A new P: D serves again, as before.
         p2, bootstrap2 = sglang_server("sglang-p2", model, tmp_path, mode="prefill", backend="kvsvc",
-                                       extra_args=CHUNKED, env=kvsvc_env)
+                                       extra_args=CHUNKED, env={**kvsvc_env, "KVSVC_SGLANG_PROGRESSIVE": progressive})
         pd.procs.append(p2)
         p2.wait_ready(300)
         router2 = sglang_router(tmp_path, p2, bootstrap2, pd.d, name="sglang-router2")

@@ -31,6 +31,8 @@ def test_known_keys_are_read_as_their_types_and_server_keys_checked_as_the_toml_
     ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
     ({"lease_heartbeat_s": -1}, "lease_heartbeat_s"),
     ({"model_id": "m" * 201}, "model_id"),
+    ({"progressive": 1}, "progressive"),  # true or false, not a number
+    ({"progressive": "yes"}, "progressive"),
 ])
 def test_an_unknown_key_or_a_wrong_value_is_refused_by_name(values, named):
     with pytest.raises(ValueError) as e:
@@ -51,3 +53,11 @@ def test_the_environment_is_read_the_same_way():
         with pytest.raises(ValueError) as e:
             EngineSettings.from_environment(bad, "KVSVC_SGLANG_")
         assert named in str(e.value) and "KVSVC_SGLANG_" in str(e.value)
+
+
+def test_progressive_is_a_boolean_read_from_the_environment_as_json():
+    assert EngineSettings.from_environment({"KVSVC_SGLANG_PROGRESSIVE": "true"}, "KVSVC_SGLANG_").progressive
+    assert not EngineSettings.from_environment({"KVSVC_SGLANG_PROGRESSIVE": "false"}, "KVSVC_SGLANG_").progressive
+    with pytest.raises(ValueError) as e:
+        EngineSettings.from_environment({"KVSVC_SGLANG_PROGRESSIVE": "1"}, "KVSVC_SGLANG_")
+    assert "progressive" in str(e.value)

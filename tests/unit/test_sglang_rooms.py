@@ -113,3 +113,72 @@ def test_sglang_failing_a_d_room_whose_transfer_settled_fails_it_now():
     fut.set_result(None)
     room.run(fut)
     assert room.fail() is False and room.state is DState.FAILING
+
+
+def test_a_progressive_p_room_opens_with_the_first_chunks_and_commits_each_later_one_once():
+    room = PRoom()
+    room.add_chunk(pages(1, 2), None, progressive=True)
+    room.add_chunk(pages(3), None, progressive=True)  # the lease worker lagged: both open the lease
+    got = room.take_unsent()
+    assert got is not None and got[0].tolist() == [1, 2, 3] and got[1:] == (False, True) and room.epoch == 1
+    assert room.state is PState.LEASING and room.take_unsent() is None  # nothing more until it is made
+    assert room.lease_made()
+    assert room.take_unsent() is None  # every chunk is in the lease
+    room.add_chunk(pages(4, 5), None, progressive=True)
+    got = room.take_unsent()
+    assert got is not None and got[0].tolist() == [4, 5] and got[1:] == (False, False) and room.epoch == 2
+    room.add_chunk(pages(6), pages(9), progressive=True, last=True)
+    got = room.take_unsent()
+    assert got is not None and got[0].tolist() == [6] and got[1:] == (True, False) and room.epoch == 3
+    assert room.window.tolist() == [9] and room.pages_sent == 6
+    assert room.take_unsent() is None  # final: nothing after it
+    room.add_chunk(pages(7), None, progressive=True)  # a chunk after the last changes nothing
+    assert room.take_unsent() is None and room.pages_sent == 6
+
+
+def test_a_progressive_p_room_whose_first_chunk_is_the_last_is_leased_whole():
+    room = PRoom()
+    room.add_chunk(pages(1, 2), None, progressive=True, last=True)
+    got = room.take_unsent()
+    assert got is not None and got[0].tolist() == [1, 2] and got[1:] == (True, True)  # whole: one lease, final
+    assert room.lease_made() and room.take_unsent() is None
+
+
+def test_an_abort_mid_stream_takes_the_growing_lease_back_and_stops_the_commits():
+    room = PRoom()
+    room.add_chunk(pages(1), None, progressive=True)
+    room.take_unsent()
+    room.lease_made()
+    assert room.abort() is OnAbort.WITHDRAW and room.state is PState.WITHDRAWING
+    room.add_chunk(pages(2), None, progressive=True, last=True)
+    assert room.take_unsent() is None  # no commit after the abort
+
+
+def test_a_progressive_d_room_waits_for_p_aux_row_after_its_transfer_succeeded():
+    class Piece:
+        def __init__(self, progressive: bool, aux: list[bytes]) -> None:
+            self.params, self.aux = type("P", (), {"progressive": progressive})(), aux
+
+    room = d_room(2)
+    room.add_piece(1, Piece(True, []))
+    room.add_piece(0, Piece(True, []))
+    fut: concurrent.futures.Future[object] = concurrent.futures.Future()
+    room.run(fut)
+    room.add_aux(1, [b"rank 1"])
+    assert room.aux() is None  # the lowest P rank's row is the one written
+    fut.set_result(None)
+    assert room.loaded() and room.state is DState.LOADED and not room.running
+    room.add_aux(0, [b"rank 0"])
+    assert room.aux() == [b"rank 0"]
+    # SGLang failing a loaded room (its aux row never came) fails it now: nothing writes.
+    other = d_room(1)
+    other.add_piece(0, Piece(True, []))
+    done: concurrent.futures.Future[object] = concurrent.futures.Future()
+    done.set_result(None)
+    other.run(done)
+    assert other.loaded() and other.fail() is False and other.state is DState.FAILED
+    # A whole lease's READY carries the row: nothing to wait for.
+    whole = d_room(1)
+    whole.add_piece(0, Piece(False, [b"row"]))
+    whole.run(done)
+    assert not whole.loaded() and whole.aux() == [b"row"]

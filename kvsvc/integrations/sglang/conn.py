@@ -11,7 +11,10 @@ Pull, not push. SGLang's own backends push (P writes into D's pages); here D rea
      which matches kvsvc's handshake targets for every TP pair).
   2. P prefills; on the request's last chunk each of those P ranks leases all its pages on
      its kvsvc server (one token for the request across the engine's ranks) and answers
-     READY with the lease's params and the request's aux row.
+     READY with the lease's params and the request's aux row. Streamed (the `progressive`
+     setting): the lease opens at the first chunk, READY goes then, each later chunk is
+     committed to the lease, and the aux row follows in an AUX message before the final
+     commit; D reads while P prefills.
   3. D joins the pieces into one TransferParams and runs a kvsvc Transfer in process: the
      planner picks what each D rank reads from which P rank (heterogeneous TP, MLA), the
      claim makes D the lease's one owner, READs move the bytes, CONSUMED releases the lease.
@@ -256,19 +259,24 @@ class KvsvcKVManager(CommonKVManager):
                              aux_index: int | None = None, state_indices: Any = None,
                              num_kv_tokens: int | None = None, **_: Any) -> None:
         """P's scheduler thread, for each chunk: keep the pages; on the last one hand the lease
-        to the lease worker (the scheduler never waits on kvsvc)."""
+        to the lease worker (the scheduler never waits on kvsvc). Progressive: every chunk
+        goes to the lease worker, which opens the lease with the first and commits the rest."""
         window = window_pages(state_indices, self.kv_args.state_types) if is_last_chunk else None
+        progressive = self.settings.progressive
+        aux = None
+        if is_last_chunk:
+            assert aux_index is not None, "SGLang passes the aux row with the last chunk"
+            # The aux row is read now: the scheduler filled it before this call and may
+            # reuse the slot once the request ends.
+            aux = self._aux_rows(int(aux_index))
         with self._lock:
             room = self._p_rooms.get(bootstrap_room)
             if room is None:
                 return
-            room.add_chunk(np.asarray(kv_indices, dtype=np.int64), window)
-        if is_last_chunk:
-            assert aux_index is not None, "SGLang passes the aux row with the last chunk"
-            assert self._lease_worker is not None
-            # The aux row is read now: the scheduler filled it before this call and may
-            # reuse the slot once the request ends.
-            self._lease_worker.put((bootstrap_room, self._aux_rows(int(aux_index))))
+            room.add_chunk(np.asarray(kv_indices, dtype=np.int64), window, progressive, is_last_chunk, aux)
+        assert self._lease_worker is not None
+        if is_last_chunk or progressive:
+            self._lease_worker.put((bootstrap_room, aux))
 
     def _groups(self, pages: np.ndarray, window: np.ndarray | None) -> list[list[int]]:
         """A request's block ids per kvsvc group: its pages, and for a hybrid-SWA model the
@@ -281,10 +289,14 @@ class KvsvcKVManager(CommonKVManager):
     def token(self, room: int) -> str:
         return hmac.new(self._secret, str(room).encode(), hashlib.sha256).hexdigest()[:32]
 
-    def _lease_job(self, job: tuple[int, list[bytes]]) -> None:
+    def _lease_job(self, job: tuple[int, list[bytes] | None]) -> None:
         room_id, aux = job
         try:
-            self._lease_and_tell(room_id, aux)
+            if self.settings.progressive:
+                self._stream(room_id)
+            else:
+                assert aux is not None
+                self._lease_and_tell(room_id, aux)
         except Exception as e:
             log.exception("kvsvc: leasing request %s failed", room_id)
             with self._lock:
@@ -314,13 +326,62 @@ class KvsvcKVManager(CommonKVManager):
             self._withdraw(room_id)
             return
         self.update_status(room_id, KVPoll.Transferring)
-        ready = wire.Ready(room_id, self.attn_tp_rank, params, aux).frames()
+        self._tell(room_id, infos, wire.Ready(room_id, self.attn_tp_rank, params, aux).frames(), "it is ready")
+
+    def _stream(self, room_id: int) -> None:
+        """Progressive: put every chunk not in the room's lease yet into it -- open the lease
+        with the first (whole, as without streaming, when the first is also the last), commit
+        the later ones, the last with `final` after D was sent the aux row."""
+        while True:
+            with self._lock:
+                room = self._p_rooms.get(room_id)
+                taken = None if room is None else room.take_unsent()
+                if room is None or taken is None:
+                    return
+                pages, final, opening = taken
+                groups = self._groups(pages, room.window if final else None)
+                num_tokens = room.pages_sent * self.kv_args.page_size
+                infos, epoch, aux = list(room.infos.values()), room.epoch, room.aux
+            if opening:
+                self._open_and_tell(room_id, room, groups, num_tokens, aux if final else None, infos, final)
+                continue
+            if final:
+                assert aux is not None, "the last chunk brings the aux row"
+                self._tell(room_id, infos, wire.Aux(room_id, self.attn_tp_rank, aux).frames(), "its aux row")
+            try:
+                self.kvsvc.commit(request_id(room_id), self.token(room_id), epoch, groups, num_tokens, final)
+            except KvsvcError as e:
+                # D gave the request up or the lease ran out: its release fails the room.
+                log.info("kvsvc: commit %d of request %s refused: %s", epoch, room_id, e.reason)
+                with self._lock:
+                    room.lease_refused()
+                return
+
+    def _open_and_tell(self, room_id: int, room: Any, groups: list[list[int]], num_tokens: int,
+                       aux: list[bytes] | None, infos: list[Any], whole: bool) -> None:
+        try:
+            params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), self.settings.lease_ttl_ms,
+                                      num_tokens=num_tokens, progressive=not whole)
+        except KvsvcError as e:
+            with self._lock:
+                room.lease_refused()
+            self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: {e.reason}: {e.message}")
+            return
+        with self._lock:
+            tell = room.lease_made()
+        if not tell:  # aborted while the lease was being made: abort_room left it to this worker
+            self._withdraw(room_id)
+            return
+        self.update_status(room_id, KVPoll.Transferring)
+        self._tell(room_id, infos, wire.Ready(room_id, self.attn_tp_rank, params, aux or []).frames(), "it is ready")
+
+    def _tell(self, room_id: int, infos: list[Any], frames: list[bytes], what: str) -> None:
         for info in infos:
             na = NetworkAddress(info.ip, info.port)
             try:
-                self._send_multipart_locked(na.to_tcp(), ready, is_ipv6=na.is_ipv6)
+                self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
             except zmq.ZMQError as e:
-                log.warning("kvsvc: could not tell %s that request %s is ready: %s", na.to_host_port_str(), room_id, e)
+                log.warning("kvsvc: could not tell %s %s for request %s: %s", na.to_host_port_str(), what, room_id, e)
 
     def abort_room(self, room_id: int, reason: str) -> None:
         """P: the request is aborted (by P's scheduler or D's notice), perhaps before D's
@@ -408,11 +469,28 @@ class KvsvcKVManager(CommonKVManager):
                                       failure_reason=reason)
             return
         try:
+            if msg[0] == wire.AUX:
+                self._aux_came(wire.Aux.parse(msg))
+                return
             ready = wire.Ready.parse(msg)
         except wire.Malformed as e:
             log.warning("kvsvc: dropped a malformed message (%s)", e)
             return
         self._start_transfer(ready)
+
+    def _aux_came(self, aux: wire.Aux) -> None:
+        """A progressive P rank's aux row: kept for the room; a room whose transfer already
+        succeeded (LOADED) ends now."""
+        with self._lock:
+            room = self._d_rooms.get(aux.room)
+            if room is None:
+                return
+            room.add_aux(aux.p_rank, aux.rows)
+            finish = room.state is DState.LOADED and room.aux() is not None
+            if finish:
+                del self._d_rooms[aux.room]
+        if finish:
+            self._finish(aux.room, room)
 
     def _start_transfer(self, ready: wire.Ready) -> None:
         """Start the room's transfer once every P rank's READY is in. Decided and started under
@@ -440,36 +518,47 @@ class KvsvcKVManager(CommonKVManager):
             self.record_failure(room_id, failure)
             super().update_status(room_id, KVPoll.Failed)
             return
-        aux = min(pieces, key=lambda p: p.p_rank).aux
         started = time.perf_counter()
         super().update_status(room_id, KVPoll.Transferring)
-        fut.add_done_callback(lambda f: self._transfer_ended(room_id, room, aux, f, started))
+        fut.add_done_callback(lambda f: self._transfer_ended(room_id, room, f, started))
 
-    def _transfer_ended(self, room_id: int, room: DRoom, aux: list[bytes], fut: Any, started: float) -> None:
+    def _transfer_ended(self, room_id: int, room: DRoom, fut: Any, started: float) -> None:
         """On the server's loop, once the transfer settled: nothing of it writes any more."""
+        ok = not fut.cancelled() and fut.exception() is None
         with self._lock:
             failed = room.state is DState.FAILING
-            if self._d_rooms.get(room_id) is room:
+            waiting = ok and not failed and room.loaded()  # progressive: P's aux row is still on its way
+            if self._d_rooms.get(room_id) is room and not waiting:
                 del self._d_rooms[room_id]
         if fut.cancelled() or failed:
             super().update_status(room_id, KVPoll.Failed)
             return
         error = fut.exception()
-        if error is None:
-            try:
-                self._write_aux(room.aux_index, aux)
-            except ValueError as e:
-                error = e
         if error is not None:
-            reason = f"kvsvc: {error.reason}: {error.message}" if isinstance(error, KvsvcError) else f"kvsvc: {error}"
-            log.warning("kvsvc: loading request %s failed: %s", room_id, reason)
-            self.record_failure(room_id, reason)
-            super().update_status(room_id, KVPoll.Failed)
+            self._load_failed(room_id, error)
             return
         resp = fut.result()
         log.debug("kvsvc: request %s loaded, %d bytes in %.2f ms", room_id, resp.total_bytes,
                   (time.perf_counter() - started) * 1e3)
+        if not waiting:
+            self._finish(room_id, room)
+
+    def _finish(self, room_id: int, room: DRoom) -> None:
+        """The pages hold P's KV: write the aux row, and the request is loaded."""
+        aux = room.aux()
+        assert aux is not None
+        try:
+            self._write_aux(room.aux_index, aux)
+        except ValueError as e:
+            self._load_failed(room_id, e)
+            return
         super().update_status(room_id, KVPoll.Success)
+
+    def _load_failed(self, room_id: int, error: BaseException) -> None:
+        reason = f"kvsvc: {error.reason}: {error.message}" if isinstance(error, KvsvcError) else f"kvsvc: {error}"
+        log.warning("kvsvc: loading request %s failed: %s", room_id, reason)
+        self.record_failure(room_id, reason)
+        super().update_status(room_id, KVPoll.Failed)
 
     def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
         """D: a room SGLang fails (abort, dead P, timeout) while its transfer may still write
@@ -491,7 +580,8 @@ class KvsvcKVManager(CommonKVManager):
     def forget_d_room(self, room_id: int) -> None:
         with self._lock:
             room = self._d_rooms.get(room_id)
-            if room is not None and room.transfer is None:  # a transfer's end removes its room
+            # A running transfer's end removes its room; one loaded (waiting for its aux row) goes now.
+            if room is not None and (room.transfer is None or room.state in (DState.LOADED, DState.FAILED)):
                 del self._d_rooms[room_id]
 
 

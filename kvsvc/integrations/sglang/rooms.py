@@ -13,11 +13,21 @@ clears the request.
       '--abort--> ABORTED   '--abort--> WITHDRAWING           (taken back once it is made)
                                LEASED --abort--> WITHDRAWING  (taken back now)
 
+Progressive (KVSVC_SGLANG_PROGRESSIVE): the same states, left at the first chunk instead of
+the last: LEASING opens the lease with the chunks in so far, and while LEASED each later
+chunk is committed to it (take_unsent hands the lease worker what is not in the lease yet,
+the last chunk's with `final`); an abort before the final commit takes the lease back even
+while D reads it (D fails typed and uses none of it).
+
 D: one room per request, from its METADATA until nothing of its transfer can write any more.
 
     EXPECTING --every P rank's READY--> RUNNING --settled--> (gone: Success or Failed)
-        |                                  '--SGLang fails it--> FAILING --settled--> (gone: Failed)
-        '--SGLang fails it--> FAILED  (no transfer starts)
+        |                                  |  '--SGLang fails it--> FAILING --settled--> (gone: Failed)
+        '--SGLang fails it--> FAILED       '--loaded, P's aux row not here yet--> LOADED
+                                              --aux row--> (gone: Success); --SGLang fails it--> FAILED
+
+(Progressive P ranks send READY at their first chunk and the aux row, which exists only
+once the last chunk was computed, in a message of its own: the transfer may end first.)
 
 A room SGLang fails while its transfer runs stays FAILING until the transfer settled:
 SGLang frees the pages on Failed, and a READ may still land in them until then.
@@ -60,6 +70,13 @@ class PRoom:
     pages: list[np.ndarray] = dataclasses.field(default_factory=list)  # one array per chunk
     window: np.ndarray | None = None  # a hybrid-SWA model's window pages (with the last chunk)
     state: PState = PState.OPEN
+    # Progressive only: chunks put in the lease so far, its commit epoch, whether the last
+    # chunk came and whether it was committed (final).
+    sent: int = 0
+    epoch: int = 0
+    last_in: bool = False
+    final_sent: bool = False
+    aux: list[bytes] | None = None  # the request's aux row, with the last chunk
 
     @property
     def aborted(self) -> bool:
@@ -70,11 +87,41 @@ class PRoom:
         """A lease is made (or being made) and not taken back by an abort."""
         return self.state in (PState.LEASING, PState.LEASED)
 
-    def add_chunk(self, pages: np.ndarray, window: np.ndarray | None) -> None:
-        if self.state is PState.OPEN:
+    def add_chunk(self, pages: np.ndarray, window: np.ndarray | None, progressive: bool = False,
+                  last: bool = False, aux: list[bytes] | None = None) -> None:
+        """A computed chunk's pages (progressive: taken while the lease grows, too); the last
+        one brings the request's aux row."""
+        if self.state is PState.OPEN or (progressive and self.state in (PState.LEASING, PState.LEASED)
+                                         and not self.last_in):
             self.pages.append(pages)
             if window is not None:
                 self.window = window
+            self.last_in = self.last_in or last
+            if aux is not None:
+                self.aux = aux
+
+    def take_unsent(self) -> tuple[np.ndarray, bool, bool] | None:
+        """Progressive: (the pages not in the lease yet, final, whether they open it), marked
+        sent; None when there is nothing to send (all sent, aborted, refused). Opening moves
+        OPEN to LEASING (lease_made() then LEASED); later ones are commits while LEASED."""
+        if self.state is PState.OPEN:
+            self.state = PState.LEASING
+            opening = True
+        elif self.state is PState.LEASED and not self.final_sent:
+            opening = False
+        else:
+            return None
+        if not opening and self.sent == len(self.pages) and not self.last_in:
+            return None
+        pages = self.pages[self.sent:]
+        self.sent = len(self.pages)
+        self.epoch += 1
+        self.final_sent = self.last_in
+        return (np.concatenate(pages) if pages else np.zeros(0, np.int64)), self.last_in, opening
+
+    @property
+    def pages_sent(self) -> int:
+        return sum(len(p) for p in self.pages[:self.sent])
 
     def start_lease(self) -> np.ndarray | None:
         """The last chunk is in: the request's pages to lease, or None (aborted, or leased already)."""
@@ -147,7 +194,8 @@ class DState(enum.Enum):
     EXPECTING = "expecting"  # METADATA sent; READY pieces come in
     RUNNING = "running"  # the transfer runs
     FAILING = "failing"  # SGLang failed it while the transfer runs: Failed once it settled
-    FAILED = "failed"  # SGLang failed it before a transfer started: none will
+    FAILED = "failed"  # SGLang failed it before a transfer started, or while LOADED: none will
+    LOADED = "loaded"  # the transfer succeeded; P's aux row has not come yet (progressive)
 
 
 @dataclasses.dataclass
@@ -161,6 +209,7 @@ class DRoom:
     pieces: dict[int, Any] = dataclasses.field(default_factory=dict)
     state: DState = DState.EXPECTING
     transfer: Any = None  # the running transfer's future
+    auxes: dict[int, list[bytes]] = dataclasses.field(default_factory=dict)  # aux rows by P rank (progressive)
 
     def add_piece(self, p_rank: int, piece: Any) -> list[Any] | None:
         """Every P rank's piece once the last comes (the transfer may start), else None
@@ -174,6 +223,28 @@ class DRoom:
         assert self.state is DState.EXPECTING, self.state
         self.state, self.transfer = DState.RUNNING, transfer
 
+    def add_aux(self, p_rank: int, rows: list[bytes]) -> None:
+        if p_rank not in self.auxes:
+            self.auxes[p_rank] = rows
+
+    def aux(self) -> list[bytes] | None:
+        """The aux row to write: the lowest P rank's, once it came (READY's, or its own message)."""
+        if not self.pieces:
+            return None
+        first = min(self.pieces)
+        if first in self.auxes:
+            return self.auxes[first]
+        piece = self.pieces[first]
+        return None if piece.params.progressive else piece.aux
+
+    def loaded(self) -> bool:
+        """The transfer succeeded but the aux row has not come: True, wait for it (LOADED);
+        False: it is here, finish now."""
+        if self.state is DState.RUNNING and self.aux() is None:
+            self.state = DState.LOADED
+            return True
+        return False
+
     @property
     def running(self) -> bool:
         """A transfer may still write into the pages."""
@@ -182,7 +253,7 @@ class DRoom:
     def fail(self) -> bool:
         """SGLang fails the room. True: a transfer may still write, cancel it (the room fails
         once it settled); False: fail now (no transfer runs, and none will start)."""
-        if self.state is DState.EXPECTING:
+        if self.state in (DState.EXPECTING, DState.LOADED):
             self.state = DState.FAILED
         elif self.state is DState.RUNNING:
             self.state = DState.FAILING

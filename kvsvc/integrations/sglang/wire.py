@@ -5,7 +5,10 @@ D -> P (to each P rank it reads, as SGLang's backends do):
   METADATA  per request: D's pages for it, its aux row, how many D ranks P will hear from.
 P -> D (to each D rank that sent METADATA):
   READY     P leased the request's pages on its kvsvc server: the params of that lease (this
-            P rank's server) and the request's aux row (first token, logprobs, ...).
+            P rank's server) and the request's aux row (first token, logprobs, ...). A
+            progressive lease's READY comes at P's first chunk, without the aux row:
+  AUX       the aux row of a request whose lease P opened progressive, once its last chunk
+            was computed (before its final commit).
 Failures go back on SGLang's own status message (KvsvcKVManager.kv_status_msg_tag, with a
 reason), aborts on SGLang's AbortNotification.
 
@@ -24,6 +27,7 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 REGISTER = b"KVSVC_REGISTER"
 METADATA = b"KVSVC_METADATA"
 READY = b"KVSVC_READY"
+AUX = b"KVSVC_AUX"
 STATUS = b"KVSVC_STATUS"
 
 MAX_PAGES = 1 << 24  # pages of one request (64 MiB of int32 indices)
@@ -117,6 +121,24 @@ class Ready:
         return cls(room=_int(msg[1], "room"), p_rank=_int(msg[2], "p_rank"), params=params, aux=list(msg[4:]))
 
 
+@dataclass(frozen=True)
+class Aux:
+    room: int
+    p_rank: int
+    rows: list[bytes]  # the request's row of each aux buffer, in buffer order
+
+    def frames(self) -> list[bytes]:
+        return [AUX, str(self.room).encode(), str(self.p_rank).encode(), *self.rows]
+
+    @classmethod
+    def parse(cls, msg: list[bytes]) -> Aux:
+        if len(msg) < 3 or msg[0] != AUX:
+            raise Malformed(f"AUX has {len(msg)} frames")
+        if sum(len(f) for f in msg[3:]) > MAX_AUX_BYTES:
+            raise Malformed("AUX is too large")
+        return cls(room=_int(msg[1], "room"), p_rank=_int(msg[2], "p_rank"), rows=list(msg[3:]))
+
+
 def join_params(pieces: list[Ready]) -> pb.TransferParams:
     """One TransferParams from the leases of every P rank a D rank reads: the same request,
     pages and token on each (one engine), each piece naming its own server."""
@@ -127,9 +149,11 @@ def join_params(pieces: list[Ready]) -> pb.TransferParams:
     del joined.remote_servers[:]
     for piece in pieces:
         p = piece.params
-        if (p.lease_token, p.remote_request_id, p.remote_tp_size, p.remote_engine_id) != (
-                first.lease_token, first.remote_request_id, first.remote_tp_size, first.remote_engine_id) \
-                or list(p.remote_block_ids_per_group) != list(first.remote_block_ids_per_group):
+        if (p.lease_token, p.remote_request_id, p.remote_tp_size, p.remote_engine_id, p.progressive) != (
+                first.lease_token, first.remote_request_id, first.remote_tp_size, first.remote_engine_id,
+                first.progressive) \
+                or (not first.progressive  # growing leases may open with more or fewer chunks (D checks commits)
+                    and list(p.remote_block_ids_per_group) != list(first.remote_block_ids_per_group)):
             raise Malformed(f"prefill ranks {pieces[0].p_rank} and {piece.p_rank} leased different requests")
         joined.remote_servers.extend(p.remote_servers)
     return joined

@@ -59,7 +59,11 @@ WHERE = "kv_connector_extra_config"
 def _checked_extra(extra: dict[str, Any]) -> EngineSettings:
     """kv_connector_extra_config, refused at start-up when it has a key the connector does not
     take (a misspelt key would otherwise be ignored) or a value of the wrong type."""
-    return EngineSettings.from_mapping(extra, WHERE)
+    settings = EngineSettings.from_mapping(extra, WHERE)
+    if settings.progressive:
+        raise ValueError(f"{WHERE}.progressive: the vLLM connector does not stream leases yet "
+                         "(docs/ARCHITECTURE.md, \"Progressive pull\"); leave it out")
+    return settings
 
 
 # Fields of a model's config that say where it was loaded from or by what, not what it is.
