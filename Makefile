@@ -35,7 +35,7 @@ SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-vllm bench-sglang clean node
+.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-progressive bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -184,6 +184,10 @@ bench-layouts: $(STAMP)
 # P and D on two simulated hosts (network namespaces; needs root): kvsvc vs raw NIXL over the link.
 bench-hosts: $(STAMP)
 	$(BIN)/python -m benchmarks.hosts --json benchmarks/hosts.json
+
+# Progressive pull vs pull after prefill, P and D on two simulated hosts (needs root).
+bench-progressive: $(STAMP)
+	$(BIN)/python -m benchmarks.progressive --json benchmarks/progressive.json
 
 # The same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector, side by side.
 bench-vllm: $(VLLM_STAMP)

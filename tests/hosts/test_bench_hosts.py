@@ -21,3 +21,18 @@ def test_bench_across_hosts_runs_every_path_over_the_link(tmp_path):
     assert not any(t.startswith("rma_get:cma/") for t in res["ucx_transports"]), "no same-host READs between hosts"
     assert res["grpc_round_trip_p50_ms_prefill"] > 0 and res["hosts"]["overhead_in_round_trips"] is not None
     assert all(p["verified"] is None for p in res["sizes"]), "P's pool is on another host: not mapped by the bench"
+
+
+def test_the_progressive_bench_runs_both_modes_over_the_link_and_checks_the_bytes(tmp_path):
+    """`make bench-progressive`, small: both modes of every length measured, one streamed
+    transfer checked byte for byte. No time asserted."""
+    out = tmp_path / "progressive.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.progressive", "--tokens", "512,1040", "--chunk-tokens", "256",
+         "--runs", "1", "--layers", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["verified"] is True
+    assert sorted(res["by_prompt_tokens"]) == ["1040", "512"]
+    for row in res["by_prompt_tokens"].values():
+        assert row["tail_ms_whole_p50"] > 0 and row["tail_ms_progressive_p50"] > 0
