@@ -22,6 +22,7 @@ from kvsvc.cli.main import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "deploy" / "vllm"
 OVERLAYS = ["cpu", "cuda"]
+CLUSTER_SCOPED = {"Namespace"}  # the cluster-scoped kinds the kits ship
 
 
 def _pointer(doc, path: str):
@@ -64,7 +65,8 @@ def render(directory: Path) -> list[dict]:
         assert hits, f"patch target {target} matches nothing"
     if "namespace" in k:
         for obj in objs:
-            obj["metadata"]["namespace"] = k["namespace"]
+            if obj["kind"] not in CLUSTER_SCOPED:  # kustomize leaves those without one
+                obj["metadata"]["namespace"] = k["namespace"]
     return objs
 
 
@@ -89,9 +91,10 @@ def transfer_config(objs: list[dict], role: str) -> dict:
 def test_both_overlays_render_the_same_objects(rendered):
     variant, objs = rendered
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
-    assert kinds == sorted([("ConfigMap", "vllm-pd"), *[(k, f"vllm-{r}") for r in ("prefill", "decode", "router")
-                                                         for k in ("Deployment", "Service", "PodDisruptionBudget")]])
-    assert all(o["metadata"]["namespace"] == "kvsvc" for o in objs)
+    assert kinds == sorted([("Namespace", "kvsvc"), ("ConfigMap", "vllm-pd"),
+                            *[(k, f"vllm-{r}") for r in ("prefill", "decode", "router")
+                              for k in ("Deployment", "Service", "PodDisruptionBudget")]])
+    assert all(o["metadata"].get("namespace") == "kvsvc" for o in objs if o["kind"] != "Namespace")
     for o in objs:
         if o["kind"] == "Deployment":
             assert o["spec"]["template"]["spec"]["containers"][0]["image"] == f"kvsvc-vllm:{variant}"
