@@ -27,7 +27,8 @@ def shipped() -> list[tuple[str, dict]]:
     out = []
     for kit in (ROOT / "deploy/k8s", ROOT / "deploy/vllm/overlays/cpu", ROOT / "deploy/vllm/overlays/cuda"):
         out += [(str(kit.relative_to(ROOT)), o) for o in render(kit)]
-    for alone in (ROOT / "deploy/k8s/sidecar.yaml", ROOT / "deploy/k8s/servicemonitor.yaml"):
+    for alone in (ROOT / "deploy/k8s/sidecar.yaml", ROOT / "deploy/k8s/servicemonitor.yaml",
+                  ROOT / "deploy/vllm/monitoring/podmonitor.yaml", ROOT / "deploy/monitoring/prometheusrule.yaml"):
         out += [(str(alone.relative_to(ROOT)), o) for o in yaml.safe_load_all(alone.read_text()) if o]
     return out
 
@@ -56,7 +57,7 @@ def test_the_check_can_fail_on_a_misspelt_field_and_a_wrong_type():
 
 def test_prometheus_operator_objects_name_what_exists():
     operator = [o for _, o in OBJECTS if o["kind"] in OPERATOR_KINDS]
-    assert operator, "the kits ship a ServiceMonitor"
+    assert {o["kind"] for o in operator} == OPERATOR_KINDS
     services = {(o["metadata"].get("namespace"), tuple(sorted(o["metadata"].get("labels", {}).items())),
                  tuple(p.get("name") for p in o["spec"].get("ports", [])))
                 for _, o in OBJECTS if o["kind"] == "Service"}
@@ -69,3 +70,23 @@ def test_prometheus_operator_objects_name_what_exists():
             ports = [e["port"] for e in o["spec"]["endpoints"]]
             assert any(ns == o["metadata"]["namespace"] and set(wanted) <= set(labels) and set(ports) <= set(names)
                        for ns, labels, names in services), "its selector and port match a shipped Service"
+
+        if o["kind"] == "PodMonitor":
+            assert set(o["spec"]) <= {"selector", "podMetricsEndpoints", "namespaceSelector"}
+            (expr,) = o["spec"]["selector"]["matchExpressions"]
+            assert expr["operator"] == "In"
+            pods = [d["spec"]["template"] for _, d in OBJECTS if d["kind"] == "Deployment"
+                    and d["metadata"].get("namespace") == o["metadata"]["namespace"]
+                    and d["spec"]["template"]["metadata"]["labels"].get(expr["key"]) in expr["values"]]
+            assert len(pods) >= 2 * len(expr["values"])  # each engine, in both overlays
+            for pod in pods:
+                names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+                assert {e["port"] for e in o["spec"]["podMetricsEndpoints"]} <= names
+
+
+def test_the_prometheus_rule_holds_exactly_the_alert_rules():
+    """deploy/monitoring/prometheusrule.yaml is made from alerts.yaml (prometheusrule.py)."""
+    (rule,) = [o for _, o in OBJECTS if o["kind"] == "PrometheusRule"]
+    alerts = yaml.safe_load((ROOT / "deploy/monitoring/alerts.yaml").read_text())
+    assert rule["spec"] == {"groups": alerts["groups"]}
+    assert rule["metadata"]["namespace"] == "kvsvc"
