@@ -184,7 +184,7 @@ def test_gpu_engines_get_their_gpus_and_cpu_engines_a_bounded_kv_cache(rendered)
         env = {e["name"]: e.get("value") for e in c["env"]}
         gpus = int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         if variant == "cuda":
-            assert gpus == tp and spec["hostIPC"] is True
+            assert gpus == tp and "hostIPC" not in spec  # CUDA IPC does not cross pods: nothing to share
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         else:
             assert gpus == 0 and "--enforce-eager" in c["args"]
@@ -216,3 +216,21 @@ def test_kustomize_renders_what_the_checks_saw(variant):
     real = sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=lambda d: (d["kind"], d["metadata"]["name"]))
     ours = sorted(render(KIT / "overlays" / variant), key=lambda d: (d["kind"], d["metadata"]["name"]))
     assert real == ours
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engines_run_unprivileged_with_a_model_cache_a_token_and_spread_over_nodes(rendered, role):
+    variant, objs = rendered
+    spec = named(objs, "Deployment", f"vllm-{role}")["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if variant == "cuda" else [])
+    assert "memory" in c["resources"]["limits"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    cache = next(m for m in c["volumeMounts"] if m["name"] == "model-cache")
+    assert env["HF_HOME"]["value"].startswith(cache["mountPath"] + "/")
+    assert any(v["name"] == "model-cache" for v in spec["volumes"])
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
