@@ -71,6 +71,7 @@ test-full: $(STAMP) proto-check node etcd rdma-libs prometheus $(VLLM_STAMP) $(S
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
+	$(VLLM_VENV)/bin/python -m tests.gpu.vllm_pd_one_gpu --dry-run --requests 3 --prompt-tokens 96 --out "$$(mktemp -d)"
 	$(MAKE) test-chaos-engines
 
 # The engine-level fault matrix at length: real vLLM and SGLang P/D pairs with a fault injected

