@@ -25,10 +25,12 @@ OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 def shipped() -> list[tuple[str, dict]]:
     out = []
-    for kit in (ROOT / "deploy/k8s", ROOT / "deploy/vllm/overlays/cpu", ROOT / "deploy/vllm/overlays/cuda"):
+    for kit in (ROOT / "deploy/k8s", ROOT / "deploy/vllm/overlays/cpu", ROOT / "deploy/vllm/overlays/cuda",
+                ROOT / "deploy/sglang"):
         out += [(str(kit.relative_to(ROOT)), o) for o in render(kit)]
     for alone in (ROOT / "deploy/k8s/sidecar.yaml", ROOT / "deploy/k8s/servicemonitor.yaml",
-                  ROOT / "deploy/vllm/monitoring/podmonitor.yaml", ROOT / "deploy/monitoring/prometheusrule.yaml"):
+                  ROOT / "deploy/vllm/monitoring/podmonitor.yaml", ROOT / "deploy/sglang/monitoring/podmonitor.yaml",
+                  ROOT / "deploy/monitoring/prometheusrule.yaml"):
         out += [(str(alone.relative_to(ROOT)), o) for o in yaml.safe_load_all(alone.read_text()) if o]
     return out
 
@@ -78,7 +80,8 @@ def test_prometheus_operator_objects_name_what_exists():
             pods = [d["spec"]["template"] for _, d in OBJECTS if d["kind"] == "Deployment"
                     and d["metadata"].get("namespace") == o["metadata"]["namespace"]
                     and d["spec"]["template"]["metadata"]["labels"].get(expr["key"]) in expr["values"]]
-            assert len(pods) >= 2 * len(expr["values"])  # each engine, in both overlays
+            selected = {p["metadata"]["labels"][expr["key"]] for p in pods}
+            assert selected == set(expr["values"])  # each engine it names is shipped
             for pod in pods:
                 names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
                 assert {e["port"] for e in o["spec"]["podMetricsEndpoints"]} <= names
