@@ -34,6 +34,9 @@ def format_info(info: pb.GetInfoResponse) -> str:
                      + (f", long DRAM READs split over {t.copy_threads} copy threads" if t.copy_threads else ""))
     else:
         lines.append(f"transport   none ({t.unavailable_reason or 'control plane only'})")
+    if t.rdma_devices or t.rdma_unavailable_reason:
+        lines.append(f"rdma        devices {list(t.rdma_devices) or 'none'}"
+                     + (f"  TRANSPORT_DEGRADED: {t.rdma_unavailable_reason}" if t.rdma_unavailable_reason else ""))
     for peer in t.peers:
         warn = f"  {peer.warning_reason}: {peer.warning}" if peer.warning_reason else ""
         lines.append(f"reads from  {peer.address} ({peer.engine_id}, {peer.locality}) over "

@@ -28,6 +28,7 @@ from kvsvc.service.faults import Faults
 from kvsvc.service.metrics import Metrics
 from kvsvc.transport.nixl_agents import NixlDataPlane, nixl_version
 from kvsvc.transport.ports import DataPlane
+from kvsvc.transport.rdma_check import RdmaCheck
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class Node:
         self.layout_hash = compatibility_hash(self.layout)
         self.epoch = new_epoch()
         self.node_id = node_identity()
+        self.rdma = RdmaCheck((), "")  # what start-up found (server.py: check_rdma)
         self.faults = Faults.from_environment(os.environ)  # tests only (service/faults.py)
         self.address = config.advertised_address or config.listen
         self.lease_socket_path = ""  # offered to same-host D servers in the handshake answer
@@ -249,6 +251,8 @@ class Node:
             transport.ucx_transports.extend(self.data.transports_seen)
             transport.copy_threads = self.data.copy_threads
         transport.node_id = self.node_id
+        transport.rdma_devices.extend(self.rdma.devices)
+        transport.rdma_unavailable_reason = self.rdma.unavailable_reason
         return pb.GetInfoResponse(
             engine_id=self.config.engine_id, role=_ROLES[self.config.role], tp_size=self.config.tp_size,
             hosted_ranks=list(self.hosted_ranks), layout=layout_to_proto(self.layout),

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import gc
 import logging
+import os
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from kvsvc.service.servicer import KvTransferServicer, add_servicer
 from kvsvc.service.siblings import Siblings
 from kvsvc.service.stacks import install_stack_dump
 from kvsvc.service.transfer_socket import TransferSocket
+from kvsvc.transport.rdma_check import check_rdma
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,9 @@ async def create_server(
     except BaseException:
         await server.stop(0)
         raise
+    node.rdma = check_rdma(config.require_rdma_between_nodes, os.environ)
+    if node.rdma.unavailable_reason:
+        log.warning("%s: %s", Reason.TRANSPORT_DEGRADED, node.rdma.unavailable_reason)
     await server.start()
     await _serving(health_servicer, node)
     if creds is None:
@@ -260,6 +265,9 @@ def _add_gauges(running: RunningServer) -> None:
     m.gauge("kvsvc_transport_degraded_peers", "P servers whose READs use a transport below what the pair should "
             "use (TRANSPORT_DEGRADED)", lambda: sum(1 for p in decoder.peers.listing()
                                                     if p.transport is not None and p.transport.warning_reason))
+    m.gauge("kvsvc_rdma_unavailable", "1 when require_rdma_between_nodes is set and this node cannot read over RDMA "
+            "(no RDMA device, or UCX_TLS without one; found at start, TRANSPORT_DEGRADED)",
+            lambda: 1 if node.rdma.unavailable_reason else 0)
     m.gauge("kvsvc_running_transfers", "Transfers running on this D server", lambda: decoder.jobs.running)
     m.gauge("kvsvc_transfer_records", "Finished transfers this D server remembers with their outcome (WaitTransfer, "
             "retries)", lambda: decoder.jobs.remembered)

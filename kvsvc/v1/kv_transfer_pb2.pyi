@@ -525,7 +525,7 @@ class CudaIpc(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransportInfo(_message.Message):
-    __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason", "copy_threads", "node_id", "peers")
+    __slots__ = ("nixl_available", "backends", "ucx_transports", "nixl_version", "unavailable_reason", "copy_threads", "node_id", "peers", "rdma_devices", "rdma_unavailable_reason")
     NIXL_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     UCX_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -534,6 +534,8 @@ class TransportInfo(_message.Message):
     COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RDMA_UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
     nixl_available: bool
     backends: _containers.RepeatedScalarFieldContainer[str]
     ucx_transports: _containers.RepeatedScalarFieldContainer[str]
@@ -542,7 +544,9 @@ class TransportInfo(_message.Message):
     copy_threads: int
     node_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerTransport]
-    def __init__(self, nixl_available: _Optional[bool] = ..., backends: _Optional[_Iterable[str]] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., nixl_version: _Optional[str] = ..., unavailable_reason: _Optional[str] = ..., copy_threads: _Optional[int] = ..., node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTransport, _Mapping]]] = ...) -> None: ...
+    rdma_devices: _containers.RepeatedScalarFieldContainer[str]
+    rdma_unavailable_reason: str
+    def __init__(self, nixl_available: _Optional[bool] = ..., backends: _Optional[_Iterable[str]] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., nixl_version: _Optional[str] = ..., unavailable_reason: _Optional[str] = ..., copy_threads: _Optional[int] = ..., node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerTransport, _Mapping]]] = ..., rdma_devices: _Optional[_Iterable[str]] = ..., rdma_unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class PeerTransport(_message.Message):
     __slots__ = ("address", "engine_id", "locality", "read_transports", "warning_reason", "warning")

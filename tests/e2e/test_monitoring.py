@@ -93,7 +93,7 @@ async def test_rules_and_panels_against_a_real_scrape(tmp_path):
             assert [r["metric"]["engine"] for r in expiring] == ["mon-p"], expiring
             # ...and those of the others do not.
             for quiet in ("KvsvcServerDown", "KvsvcDataPlaneErrors", "KvsvcHandshakeFailures", "KvsvcSlowTransfers",
-                          "KvsvcQuarantinedTransfers", "KvsvcTransportDegraded"):
+                          "KvsvcQuarantinedTransfers", "KvsvcTransportDegraded", "KvsvcRdmaUnavailable"):
                 assert prom.query(rules[quiet]) == [], quiet
     finally:
         p.stop()

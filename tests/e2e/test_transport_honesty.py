@@ -5,6 +5,11 @@ vLLM #51377 found on NVL72), while the bytes still arrive right."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+import pytest
+
 from kvsvc.cli.procs import ServerProcess, start_server
 from tests.e2e.harness import layout_table, session, transfer_and_check
 from tests.e2e.test_observability import metrics_url, scrape, value
@@ -65,3 +70,34 @@ async def test_tcp_within_the_node_is_reported_degraded_and_the_bytes_still_arri
         p.stop()
         d.stop()
     assert any("TRANSPORT_DEGRADED" in line and p.address in line for line in d.output), d.output[-20:]
+
+
+def test_a_server_that_requires_rdma_where_there_is_none_says_so_at_start():
+    import urllib.request
+
+    from kvsvc.cli.info import format_info
+    from kvsvc.client import AsyncClient
+    from kvsvc.config import Role, load_config
+    from kvsvc.service.server import create_server
+    from tests.e2e.harness import layout_table
+
+    if any(Path("/sys/class/infiniband").glob("*")):
+        pytest.skip("this machine has an RDMA device: the check has nothing to report")
+
+    async def run() -> None:
+        server, _ = await create_server(load_config(
+            listen="127.0.0.1:0", tp_size=1, engine_id="rdma-d", role=Role.DECODE, layout_table=layout_table(),
+            require_rdma_between_nodes=True, metrics_listen="127.0.0.1:0"))
+        try:
+            async with AsyncClient(f"127.0.0.1:{server.port}") as c:
+                whole = await c.get_info()
+            info = whole.transport
+            assert list(info.rdma_devices) == [] and "no RDMA device" in info.rdma_unavailable_reason
+            assert "rdma        devices none  TRANSPORT_DEGRADED: require_rdma_between_nodes" in format_info(whole)
+            url = f"http://{server.metrics_address}/metrics"
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+            assert 'kvsvc_rdma_unavailable{engine="rdma-d"} 1.0' in text
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())
