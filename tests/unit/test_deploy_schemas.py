@@ -26,7 +26,7 @@ OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 def shipped() -> list[tuple[str, dict]]:
     out = []
     for kit in (ROOT / "deploy/k8s", ROOT / "deploy/vllm/overlays/cpu", ROOT / "deploy/vllm/overlays/cuda",
-                ROOT / "deploy/sglang"):
+                ROOT / "deploy/vllm/overlays/rdma", ROOT / "deploy/sglang"):
         out += [(str(kit.relative_to(ROOT)), o) for o in render(kit)]
     for alone in (ROOT / "deploy/k8s/sidecar.yaml", ROOT / "deploy/k8s/servicemonitor.yaml",
                   ROOT / "deploy/vllm/monitoring/podmonitor.yaml", ROOT / "deploy/sglang/monitoring/podmonitor.yaml",

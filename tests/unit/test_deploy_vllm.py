@@ -234,3 +234,28 @@ def test_engines_run_unprivileged_with_a_model_cache_a_token_and_spread_over_nod
     assert any(v["name"] == "model-cache" for v in spec["volumes"])
     (spread,) = spec["topologySpreadConstraints"]
     assert spread["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_the_rdma_overlay_is_the_cuda_one_with_the_nics_and_rdma_required():
+    """overlays/rdma: each engine gets the RDMA device plugin's resource and its connector
+    config requires RDMA between nodes; nothing else differs from overlays/cuda (the config
+    was copied into the patch: a change to the base's shows here as a difference)."""
+    from kvsvc.integrations.settings import EngineSettings
+
+    cuda = sorted(render(KIT / "overlays" / "cuda"), key=lambda d: (d["kind"], d["metadata"]["name"]))
+    rdma = sorted(render(KIT / "overlays" / "rdma"), key=lambda d: (d["kind"], d["metadata"]["name"]))
+    assert [(o["kind"], o["metadata"]["name"]) for o in rdma] == [(o["kind"], o["metadata"]["name"]) for o in cuda]
+    for before, after in zip(cuda, rdma, strict=True):
+        if before["kind"] != "Deployment" or before["metadata"]["name"] == "vllm-router":
+            assert before == after
+            continue
+        role = before["metadata"]["name"].removeprefix("vllm-")
+        was, now = transfer_config([before], role), transfer_config([after], role)
+        assert now["kv_connector_extra_config"].pop("require_rdma_between_nodes") is True
+        assert now == was
+        EngineSettings.from_mapping(transfer_config([after], role)["kv_connector_extra_config"], "rdma")  # strict
+        limits = after["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits.pop("rdma/rdma_shared_device_a") == 1
+        after_c = after["spec"]["template"]["spec"]["containers"][0]
+        before_c = before["spec"]["template"]["spec"]["containers"][0]
+        assert {k: v for k, v in after_c.items() if k != "args"} == {k: v for k, v in before_c.items() if k != "args"}
