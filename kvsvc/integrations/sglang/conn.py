@@ -313,20 +313,7 @@ class KvsvcKVManager(CommonKVManager):
                 return  # cleared or aborted before its last chunk: nothing is leased
             groups = self._groups(pages, room.window)
             infos = list(room.infos.values())
-        try:
-            params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), self.settings.lease_ttl_ms)
-        except KvsvcError as e:
-            with self._lock:
-                room.lease_refused()
-            self.conclude_failure(bootstrap_room=room_id, failure_reason=f"kvsvc: {e.reason}: {e.message}")
-            return
-        with self._lock:
-            tell = room.lease_made()
-        if not tell:  # aborted while the lease was being made: abort_room left it to this worker
-            self._withdraw(room_id)
-            return
-        self.update_status(room_id, KVPoll.Transferring)
-        self._tell(room_id, infos, wire.Ready(room_id, self.attn_tp_rank, params, aux).frames(), "it is ready")
+        self._lease_room(room_id, room, groups, aux, infos)
 
     def _stream(self, room_id: int) -> None:
         """Progressive: put every chunk not in the room's lease yet into it -- open the lease
@@ -342,11 +329,12 @@ class KvsvcKVManager(CommonKVManager):
                 groups = self._groups(pages, room.window if final else None)
                 num_tokens = room.pages_sent * self.kv_args.page_size
                 infos, epoch, aux = list(room.infos.values()), room.epoch, room.aux
-            if opening:
-                self._open_and_tell(room_id, room, groups, num_tokens, aux if final else None, infos, final)
+            assert aux is not None or not final, "the last chunk brings the aux row"
+            if opening:  # the first chunk opens the lease (leased whole when it is the last too)
+                self._lease_room(room_id, room, groups, aux or [], infos, num_tokens, progressive=not final)
                 continue
             if final:
-                assert aux is not None, "the last chunk brings the aux row"
+                assert aux is not None
                 self._tell(room_id, infos, wire.Aux(room_id, self.attn_tp_rank, aux).frames(), "its aux row")
             try:
                 self.kvsvc.commit(request_id(room_id), self.token(room_id), epoch, groups, num_tokens, final)
@@ -357,11 +345,13 @@ class KvsvcKVManager(CommonKVManager):
                     room.lease_refused()
                 return
 
-    def _open_and_tell(self, room_id: int, room: Any, groups: list[list[int]], num_tokens: int,
-                       aux: list[bytes] | None, infos: list[Any], whole: bool) -> None:
+    def _lease_room(self, room_id: int, room: Any, groups: list[list[int]], aux: list[bytes], infos: list[Any],
+                    num_tokens: int = 0, progressive: bool = False) -> None:
+        """Lease the room's pages (progressive: open its growing lease) and tell D's ranks READY
+        (aux: the request's aux row; empty for a progressive lease, whose row comes later)."""
         try:
             params = self.kvsvc.lease(request_id(room_id), groups, self.token(room_id), self.settings.lease_ttl_ms,
-                                      num_tokens=num_tokens, progressive=not whole)
+                                      num_tokens=num_tokens, progressive=progressive)
         except KvsvcError as e:
             with self._lock:
                 room.lease_refused()
@@ -373,7 +363,7 @@ class KvsvcKVManager(CommonKVManager):
             self._withdraw(room_id)
             return
         self.update_status(room_id, KVPoll.Transferring)
-        self._tell(room_id, infos, wire.Ready(room_id, self.attn_tp_rank, params, aux or []).frames(), "it is ready")
+        self._tell(room_id, infos, wire.Ready(room_id, self.attn_tp_rank, params, aux).frames(), "it is ready")
 
     def _tell(self, room_id: int, infos: list[Any], frames: list[bytes], what: str) -> None:
         for info in infos:
