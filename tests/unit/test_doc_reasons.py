@@ -15,7 +15,7 @@ import pytest
 from kvsvc.reasons import RETIRED, Reason
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 REFUSAL = re.compile(r"(?:refused|refuses|refuse|fails|failed|fail|answers|answered|raises|raise)\s+"
                      r"(?:with\s+|as\s+)?(?:`?[A-Z]+_?[A-Z_]*`?\s+)?`([A-Z][A-Z0-9_]{3,})`")
 LIVE = {r.name for r in Reason} - {r.name for r in RETIRED}
