@@ -97,3 +97,39 @@ def test_a_fixed_listen_port_is_base_plus_rank():
         assert info.address == f"127.0.0.1:{base + 1}"
     finally:
         w.shutdown()
+
+
+def test_the_plugin_reads_the_connector_config_from_the_command_line():
+    from kvsvc.integrations.vllm.plugin import check_arguments, kv_transfer_config
+
+    conf = '{"kv_connector": "KvsvcConnector", "kv_connector_extra_config": {"listen_port": 5000}}'
+    assert kv_transfer_config(["--model", "m", "--kv-transfer-config", conf])["kv_connector"] == "KvsvcConnector"
+    assert kv_transfer_config([f"--kv_transfer_config={conf}"]) is not None
+    assert kv_transfer_config(["--kv-transfer-config", "{not json"]) is None  # vLLM says what is wrong
+    assert kv_transfer_config(["--model", "m"]) is None
+    check_arguments(["--kv-transfer-config", conf])  # a good config passes
+    check_arguments(["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_connector_extra_config": '
+                                             '{"anything": 1}}'])  # another connector's: not ours to check
+    with pytest.raises(SystemExit) as e:
+        check_arguments(["--kv-transfer-config", conf.replace("listen_port", "listen_prot")])
+    assert "listen_prot" in str(e.value) and "before the model loads" in str(e.value)
+
+
+def test_vllm_refuses_a_misspelt_connector_setting_as_it_starts_not_after_loading_the_model(tmp_path):
+    """vLLM's own server, started as a user does, with a misspelt key: it exits naming the key,
+    from kvsvc's plugin, before it reads the model (whose path does not even exist)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    conf = {"kv_connector": "KvsvcConnector", "kv_connector_module_path": "kvsvc.integrations.vllm",
+            "kv_role": "kv_producer", "kv_connector_extra_config": {"lease_ttl": 60}}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                           str(tmp_path / "no-such-model"), "--kv-transfer-config", json.dumps(conf)],
+                          capture_output=True, text=True, timeout=240)
+    took = time.monotonic() - started
+    assert done.returncode != 0
+    assert "lease_ttl" in done.stderr and "before the model loads" in done.stderr, done.stderr[-3000:]
+    print(f"refused in {took:.1f} s")

@@ -40,6 +40,7 @@ from kvsvc.client import ClientOptions
 from kvsvc.config import Role
 from kvsvc.integrations.amx import request_amx
 from kvsvc.integrations.settings import EngineSettings
+from kvsvc.integrations.vllm.extra_config import checked_extra
 from kvsvc.integrations.vllm.layout import describe
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
@@ -53,17 +54,13 @@ log = logging.getLogger(__name__)
 TESTED_VLLM = "0.32.0"
 
 _ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
-WHERE = "kv_connector_extra_config"
 
 
 def _checked_extra(extra: dict[str, Any]) -> EngineSettings:
-    """kv_connector_extra_config, refused at start-up when it has a key the connector does not
-    take (a misspelt key would otherwise be ignored) or a value of the wrong type."""
-    settings = EngineSettings.from_mapping(extra, WHERE)
-    if settings.progressive:
-        raise ValueError(f"{WHERE}.progressive: the vLLM connector does not stream leases yet "
-                         "(docs/ARCHITECTURE.md, \"Progressive pull\"); leave it out")
-    return settings
+    """kv_connector_extra_config, refused when the connector is made if it has a key the
+    connector does not take (a misspelt key would otherwise be ignored) or a value of the wrong
+    type. kvsvc's vLLM plugin (plugin.py) runs the same check as vLLM starts."""
+    return checked_extra(extra)
 
 
 # Fields of a model's config that say where it was loaded from or by what, not what it is.
