@@ -53,7 +53,7 @@ from kvsvc.mapping.progressive import ProgressiveBlocks
 from kvsvc.memory.pools import MemoryKind
 from kvsvc.reasons import Reason
 from kvsvc.service import content
-from kvsvc.service.commit_follower import CommitFollower, group_shapes
+from kvsvc.service.commit_follower import COMMIT_WAIT_MARGIN_S, CommitFollower, group_shapes
 from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_all, confirm_all, heartbeat
 from kvsvc.service.node import Node
 from kvsvc.service.peers import RemoteRank
@@ -248,11 +248,13 @@ class TransferRun:
         await claimed
         first = True
         while not growing.done:
-            if self._left() <= 0:
+            had = follower.epoch
+            await follower.wait(self._left())
+            if follower.epoch == had and self._left() <= COMMIT_WAIT_MARGIN_S:
+                # Nothing new, and no time left to wait for it on P (never asked again at once).
                 raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the prefill engine had not committed the "
                                        "request's last blocks by the deadline",
                                        {"request_id": self.req.request_id, "commit_epoch": follower.epoch})
-            await follower.wait(self._left())
             _check_ended_reads(self.posted)  # a READ of an earlier chunk that failed ends the stream now
             chunk = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final)
             if chunk is None:
