@@ -154,6 +154,18 @@ def test_an_abort_mid_stream_takes_the_growing_lease_back_and_stops_the_commits(
     assert room.take_unsent() is None  # no commit after the abort
 
 
+def test_a_refused_commit_stops_the_stream():
+    room = PRoom()
+    room.add_chunk(pages(1), None, progressive=True)
+    room.take_unsent()
+    room.lease_made()
+    room.add_chunk(pages(2), None, progressive=True)
+    assert room.take_unsent() is not None
+    room.stop_stream()  # the lease refused that commit (D gave the request up)
+    room.add_chunk(pages(3), None, progressive=True, last=True)
+    assert room.take_unsent() is None
+
+
 def test_a_progressive_d_room_waits_for_p_aux_row_after_its_transfer_succeeded():
     class Piece:
         def __init__(self, progressive: bool, aux: list[bytes]) -> None:

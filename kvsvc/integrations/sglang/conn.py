@@ -342,7 +342,7 @@ class KvsvcKVManager(CommonKVManager):
                 # D gave the request up or the lease ran out: its release fails the room.
                 log.info("kvsvc: commit %d of request %s refused: %s", epoch, room_id, e.reason)
                 with self._lock:
-                    room.lease_refused()
+                    room.stop_stream()
                 return
 
     def _lease_room(self, room_id: int, room: Any, groups: list[list[int]], aux: list[bytes], infos: list[Any],

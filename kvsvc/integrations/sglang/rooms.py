@@ -119,6 +119,11 @@ class PRoom:
         self.final_sent = self.last_in
         return (np.concatenate(pages) if pages else np.zeros(0, np.int64)), self.last_in, opening
 
+    def stop_stream(self) -> None:
+        """Progressive: the lease refused a commit (D gave it up, or it expired; its release
+        ends the request): nothing more is committed to it."""
+        self.final_sent = True
+
     @property
     def pages_sent(self) -> int:
         return sum(len(p) for p in self.pages[:self.sent])
