@@ -124,7 +124,7 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang/requirements-cpu.txt
 		$(SGLANG_VENV)/bin/pip install -q --no-deps "sglang==$(SGLANG_VERSION)"; \
 	fi
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) sglang-router "nixl==1.5.1"
-	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) -e ".[server,dev]"
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_PIN) -e ".[sglang,dev]"
 	touch $(SGLANG_STAMP)
 
 sglang-venv: $(SGLANG_STAMP)

@@ -43,12 +43,14 @@ ETCD = [
     ".venv/bin/kvsvc engines --etcd http://127.0.0.1:2379 --watch",
 ]
 
-# docs/SGLANG.md's commands, as tests/sglang/served.py runs them (free ports, CPU settings added)
+# docs/SGLANG.md's commands, as tests/sglang/served.py runs them (free ports, CPU settings added;
+# no --base-gpu-id, which picks the GPU each server starts at, on a machine without one)
 SGLANG = {
     "python -m sglang.launch_server --model-path MODEL --disaggregation-mode prefill --disaggregation-transfer-backend "
-    "kvsvc --disaggregation-bootstrap-port 8998 --port 30000": '"--disaggregation-bootstrap-port", str(bootstrap)',
+    "kvsvc --disaggregation-bootstrap-port 8998 --port 30000 --base-gpu-id 0":
+        '"--disaggregation-bootstrap-port", str(bootstrap)',
     "python -m sglang.launch_server --model-path MODEL --disaggregation-mode decode --disaggregation-transfer-backend "
-    "kvsvc --port 30001": '"--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend',
+    "kvsvc --port 30001 --base-gpu-id 1": '"--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend',
     "python -m sglang_router.launch_router --pd-disaggregation --prefill http://127.0.0.1:30000 8998 --decode "
     "http://127.0.0.1:30001 --port 8000": '"sglang_router.launch_router", "--pd-disaggregation"',
 }
@@ -74,6 +76,8 @@ WHO: dict[str, object] = {
     '{"prompt_token_ids": [1]})\'': ("not here", "reproduces vLLM's own crash on a CPU with AMX (it dies there, "
                                      "whatever the connector); tests/vllm/test_quickstart.py checks kvsvc's "
                                      "workaround in each engine where the CPU has AMX"),
+    'pip install "nixl==1.5.1" ".[sglang]"': ("test", "Makefile", '"nixl==1.5.1"\n\t$(SGLANG_VENV)/bin/pip install '
+                                                                  '-q -c $(SGLANG_PIN) -e ".[sglang,dev]"'),
     "make bench-sglang": ("not here", "about 6 minutes of real SGLang servers; benchmarks/sglang.json holds its last run"),
     **{cmd: ("test", "tests/sglang/served.py", text) for cmd, text in SGLANG.items()},
     **{d: HERE for d in DEMOS + INSPECT + ETCD},
