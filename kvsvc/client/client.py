@@ -44,6 +44,11 @@ class ClientOptions:
     connection but is slow to answer (a busy host) is waited for this long."""
     keepalive_time_ms: int = 30_000
     """Ping interval; the server permits pings every 10 s or slower."""
+    max_reconnect_backoff_ms: int = 5_000
+    """Longest wait between connection attempts to a server that could not be reached (gRPC's
+    own default grows to 120 s): a peer back after an outage is reached again within this,
+    not minutes later. gRPC only dials while calls wait, so a peer gone for good costs
+    nothing when unused."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest message sent or received, bytes."""
     tls_root_certs: bytes | None = None
@@ -68,6 +73,7 @@ class ClientOptions:
         ]
         if self.connect_timeout_ms is not None:  # gRPC's name for a connect attempt's minimum deadline
             opts.append(("grpc.min_reconnect_backoff_ms", self.connect_timeout_ms))
+        opts.append(("grpc.max_reconnect_backoff_ms", max(self.max_reconnect_backoff_ms, self.connect_timeout_ms or 0)))
         if self.tls_server_name and self.tls_root_certs is not None:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return opts

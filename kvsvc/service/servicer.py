@@ -61,6 +61,10 @@ def inline_remote_side(msg: pb.InlineRemote, field: str, local_tp_size: int) -> 
     return Side.of(layout_from_proto(msg.layout, f"{field}.layout", msg.tp_size), msg.tp_size)
 
 
+# How long shutdown waits for each open LeaseChannel to end itself with SHUTTING_DOWN.
+CLOSE_CHANNELS_S = 2.0
+
+
 class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     """Thin: every rule lives in the node, the role modules and the layers below them."""
 
@@ -68,7 +72,8 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
         self.node = node
         self.decoder = decoder
         self.siblings = siblings
-        self._lease_channels: dict[asyncio.Task[Any], grpc.aio.ServicerContext] = {}
+        # Open LeaseChannels: each handler's task, its context and the queue it answers from.
+        self._lease_channels: dict[asyncio.Task[Any], tuple[grpc.aio.ServicerContext, asyncio.Queue[Any]]] = {}
         self.lease_answers = LeaseCallAnswers(node)  # the LeaseChannel's, on either carrier
         self._channels_closed = False
         self._transfer_streams: set[TransferStreamSession] = set()
@@ -202,9 +207,9 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
             await context.abort_with_status(rpc_status.to_status(to_status(err)))
         names = caller_names(context)
         task = asyncio.current_task()
-        if task is not None:
-            self._lease_channels[task] = context
         out: asyncio.Queue[pb.LeaseChannelResponse | KvsvcError | None] = asyncio.Queue()
+        if task is not None:
+            self._lease_channels[task] = (context, out)
         taken = asyncio.Event()  # the sender took an answer from out
         later = LaterAnswers(lambda answer: out.put_nowait(pb.LeaseChannelResponse(answers=[answer])))
 
@@ -259,11 +264,23 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
 
     async def close_lease_channels(self) -> None:
         """End every open LeaseChannel with SHUTTING_DOWN (at shutdown, once no lease is claimed
-        any more). The status is sent from here: a handler waiting for its next message does
-        not end the call by being cancelled, and the server would wait out its grace period."""
+        any more), and open no new one. Each handler is handed the status to end its call with,
+        as it ends a stream on a bad message (the status then always reaches D: cancelled from
+        outside while grpc wrote its last answer, a handler once left the call open without
+        one, and D's next call on it waited out its whole timeout). A handler that has not
+        ended within CLOSE_CHANNELS_S (its loop stalled) gets the status from here and is
+        cancelled: the server must not wait out its grace period for it."""
         self._channels_closed = True
-        status = rpc_status.to_status(to_status(Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down")))
-        for task, context in list(self._lease_channels.items()):
+        err = Unavailable(Reason.SHUTTING_DOWN, "this server is shutting down")
+        channels = dict(self._lease_channels)
+        for _context, out in channels.values():
+            out.put_nowait(err)
+        if channels:
+            await asyncio.wait(list(channels), timeout=CLOSE_CHANNELS_S)
+        status = rpc_status.to_status(to_status(err))
+        for task, (context, _out) in channels.items():
+            if task.done():
+                continue
             with contextlib.suppress(Exception):  # AbortError, or a call that already ended
                 await context.abort_with_status(status)
             task.cancel()

@@ -117,9 +117,30 @@ async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_s
                         await asyncio.sleep(0.2)
                     assert (await s.pc.get_info()).live_leases == 0
                 # New clients of this test (the old ones' TCP connections may still be backing
-                # off from the outage); the servers themselves are the same.
+                # off from the outage); the servers themselves are the same. D's own channel to
+                # P may still be waiting out its reconnect backoff (at most 5 s, ClientOptions.
+                # max_reconnect_backoff_ms): a request that meets it fails PEER_UNAVAILABLE,
+                # typed (an engine recomputes it), and a later one is served.
                 async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
-                    await transfer_and_check(s, "after", [[3, 4]], [[5, 6]])
+                    s.pe.fill([[3, 4]])
+                    served_at, give_up = None, time.monotonic() + 30
+                    for attempt in range(1000):
+                        pub = await s.pc.publish_blocks(f"after-{attempt}", [[3, 4]])
+                        try:
+                            await s.dc.transfer(f"d-after-{attempt}", pub.params, [[5, 6]], timeout_s=60)
+                        except KvsvcError as err:
+                            assert err.reason == "PEER_UNAVAILABLE", err
+                            assert time.monotonic() < give_up, "D never reached P again"
+                            await asyncio.sleep(0.5)  # an engine's next request, not a wait for an event
+                            continue
+                        served_at = attempt
+                        break
+                    assert served_at is not None and not s.de.check([[5, 6]])
+                    print(f"served again at request {served_at + 1} after the link came back")
+                    deadline = time.monotonic() + 15  # the refused attempts' leases: their TTL frees them
+                    while (await s.pc.get_info()).live_leases and time.monotonic() < deadline:
+                        await asyncio.sleep(0.2)
+                    assert (await s.pc.get_info()).live_leases == 0
             finally:
                 d.stop()
         finally:
