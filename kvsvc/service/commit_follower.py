@@ -55,7 +55,6 @@ class CommitFollower:
     def __init__(self, legs: Sequence[Leg], own: Ownership, num_groups: int) -> None:
         self.legs, self.own = list(legs), own
         self._of = {id(leg): _LegCommits(blocks=[np.empty(0, np.int64)] * num_groups) for leg in legs}
-        self.waits = 0  # WaitCommit calls made (a test and the trace count them)
 
     @property
     def epoch(self) -> int:
@@ -100,7 +99,6 @@ class CommitFollower:
             self._take(leg, resp)
 
     async def _wait_one(self, leg: Leg, wait_s: float) -> pb.WaitCommitResponse:
-        self.waits += 1
         p = self.own.params
         req = pb.WaitCommitRequest(request_id=p.remote_request_id, lease_epoch=leg.peer.epoch,
                                    engine_id=self.own.engine_id, claim_id=self.own.claim_id,
