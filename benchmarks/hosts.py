@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvsvc.bench.sweep import bench_layout
-from kvsvc.cli.procs import start_server
+from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.client import AsyncClient
 from tests.e2e.harness import Engine
 from tests.hosts.harness import Host, available, hosts
@@ -61,12 +63,10 @@ async def check_one(p_addr: str, d_addr: str, a: Host, b: Host) -> bool:
             de.close()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    reason = available()
-    if reason:
-        raise SystemExit(f"benchmarks.hosts: {reason}")
-    layout = bench_layout(args.layers, NUM_BLOCKS)
-    env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
+@contextlib.contextmanager
+def bench_pair(layout: dict[str, Any], env: dict[str, str]) -> Iterator[tuple[Host, Host, ServerProcess, ServerProcess]]:
+    """Two simulated hosts, a P server on the first and a D server on the second (env: for
+    both, e.g. UCX_TLS); stopped, and the hosts torn down, on the way out."""
     with hosts(2) as (a, b):
         p = start_server(engine_id="bench-prefill", role="prefill", tp_size=1, layout=layout,
                          listen=f"{a.address}:0", launcher=a.launcher, extra_env=env)
@@ -74,23 +74,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             d = start_server(engine_id="bench-decode", role="decode", tp_size=1, layout=layout,
                              listen=f"{b.address}:0", launcher=b.launcher, extra_env=env)
             try:
-                info = asyncio.run(_info(p.address))
-                fill_random(a, info.pools[0].shm_name)
-                out = f"{b.tmp}/hosts.json"
-                argv = [sys.executable, "-m", "kvsvc.cli.main", "bench", "--prefill", p.address, "--decode",
-                        d.address, "--json", out, "--runs", str(args.runs), "--max-mib", str(args.max_mib),
-                        "--layers", str(args.layers), "--concurrency", args.concurrency, "--requests",
-                        str(args.requests)]
-                done = b.run(["env", *(f"{k}={v}" for k, v in env.items()), *argv], timeout_s=1800, check=False)
-                print(done.stdout, end="")
-                if done.returncode:
-                    raise SystemExit(f"kvsvc bench on host {b.name} failed ({done.returncode}):\n{done.stderr}")
-                res: dict[str, Any] = json.loads(Path(f"/proc/{b.pid}/root{out}").read_text())
-                res["verified"] = asyncio.run(check_one(p.address, d.address, a, b))
+                yield a, b, p, d
             finally:
                 d.stop()
         finally:
             p.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    reason = available()
+    if reason:
+        raise SystemExit(f"benchmarks.hosts: {reason}")
+    layout = bench_layout(args.layers, NUM_BLOCKS)
+    env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
+    with bench_pair(layout, env) as (a, b, p, d):
+        info = asyncio.run(_info(p.address))
+        fill_random(a, info.pools[0].shm_name)
+        out = f"{b.tmp}/hosts.json"
+        argv = [sys.executable, "-m", "kvsvc.cli.main", "bench", "--prefill", p.address, "--decode",
+                d.address, "--json", out, "--runs", str(args.runs), "--max-mib", str(args.max_mib),
+                "--layers", str(args.layers), "--concurrency", args.concurrency, "--requests",
+                str(args.requests)]
+        done = b.run(["env", *(f"{k}={v}" for k, v in env.items()), *argv], timeout_s=1800, check=False)
+        print(done.stdout, end="")
+        if done.returncode:
+            raise SystemExit(f"kvsvc bench on host {b.name} failed ({done.returncode}):\n{done.stderr}")
+        res: dict[str, Any] = json.loads(Path(f"/proc/{b.pid}/root{out}").read_text())
+        res["verified"] = asyncio.run(check_one(p.address, d.address, a, b))
     rtt = res["grpc_round_trip_p50_ms_prefill"]
     res["hosts"] = {"link": "veth pairs on a Linux bridge (network namespaces)", "ucx_tls": args.ucx_tls or "default",
                     "link_round_trip_p50_ms": rtt,

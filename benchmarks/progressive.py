@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.hosts import bench_pair
 from kvsvc.bench.sweep import bench_layout, block_bytes_of
-from kvsvc.cli.procs import start_server
 from kvsvc.client import AsyncClient
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import Engine
-from tests.hosts.harness import Host, available, hosts
+from tests.hosts.harness import Host, available
 
 BLOCK_TOKENS = 16  # bench_layout's
 
@@ -124,19 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     most = max(int(x) for x in args.tokens.split(","))
     layout = bench_layout(args.layers, math.ceil(most / BLOCK_TOKENS) + 8)
     env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
-    with hosts(2) as (a, b):
-        p = start_server(engine_id="bench-prefill", role="prefill", tp_size=1, layout=layout,
-                         listen=f"{a.address}:0", launcher=a.launcher, extra_env=env)
-        try:
-            d = start_server(engine_id="bench-decode", role="decode", tp_size=1, layout=layout,
-                             listen=f"{b.address}:0", launcher=b.launcher, extra_env=env)
-            try:
-                rows = asyncio.run(measure(p.address, d.address, args))
-                verified = asyncio.run(verify(p.address, d.address, a, b))
-            finally:
-                d.stop()
-        finally:
-            p.stop()
+    with bench_pair(layout, env) as (a, b, p, d):
+        rows = asyncio.run(measure(p.address, d.address, args))
+        verified = asyncio.run(verify(p.address, d.address, a, b))
     return {"link": "veth pairs on a Linux bridge (network namespaces), UCX " + (args.ucx_tls or "default"),
             "kv_bytes_per_token": block_bytes_of(args.layers) // BLOCK_TOKENS, "chunk_tokens": args.chunk_tokens,
             "prefill_tokens_per_s": args.prefill_tokens_per_s, "runs": args.runs, "in_flight": 1,
