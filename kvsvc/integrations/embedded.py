@@ -198,8 +198,10 @@ class EmbeddedServer:
         return self.loop.submit(self.transfer_here(request_id, params, [list(g) for g in blocks], timeout_s))
 
     async def transfer_here(self, request_id: str, params: pb.TransferParams, blocks: Sequence[Sequence[int]],
-                            timeout_s: float) -> pb.TransferResponse:
-        """transfer() on the loop, in the caller's task (cancel(request_id) cancels that task)."""
+                            timeout_s: float, local_prefix_tokens: int = 0) -> pb.TransferResponse:
+        """transfer() on the loop, in the caller's task (cancel(request_id) cancels that task).
+        local_prefix_tokens: for progressive params, the leading tokens this engine holds
+        already (TransferRequest.local_prefix_tokens); blocks are those after them."""
         if self._transfers is None:
             raise RuntimeError("transfers run on a running decode server")
         if request_id in self._given_up:  # cancelled before it started: nothing to settle
@@ -210,7 +212,8 @@ class EmbeddedServer:
         self._tasks[request_id] = task
         transfers = self._transfers
         try:
-            return await transfers.transfer(request_id, params, blocks, timeout_s=timeout_s)
+            return await transfers.transfer(request_id, params, blocks, timeout_s=timeout_s,
+                                            local_prefix_tokens=local_prefix_tokens)
         except BaseException as e:
             # The engine frees (and may reuse) the blocks once told the transfer ended: tell
             # it only when nothing of the transfer can write into them any more.

@@ -335,7 +335,8 @@ class LeaseTable:
         return lease
 
     def notify(self, request_id: str, kind: NotifyKind, d_ranks: Sequence[int], epoch: int, *,
-               token: str = "", claim_id: str = "", withdraw: bool = False) -> tuple[LeaseState | None, list[int]]:
+               token: str = "", claim_id: str = "", withdraw: bool = False,
+               even_final: bool = False) -> tuple[LeaseState | None, list[int]]:
         """Apply a notification; (state after, D ranks still pending). Idempotent.
 
         A claimed lease hears only from its owners (claim_id), and CONSUMED only for the
@@ -352,10 +353,11 @@ class LeaseTable:
                 self.arrivals.arrived(request_id)  # a claim waiting for it is refused now
             return (dead.state if dead else None), []
         claim = lease.claims.get(claim_id) if claim_id else None
-        if withdraw and lease.commits is not None and not lease.commits.final:
+        if withdraw and lease.commits is not None and (even_final or not lease.commits.final):
             # The engine ends its own growing lease (the request was aborted before its last
-            # chunk), claimed or not: D's waits hear LEASE_EXPIRED and its confirm is refused,
-            # so what it read is never used (as when a lease expires under its READs).
+            # chunk, or -- even_final -- the engine freed its blocks, preempted), claimed or
+            # not: D's waits hear LEASE_EXPIRED and its confirm is refused, so what it read is
+            # never used (as when a lease expires under its READs).
             _check_token(lease, token)
         elif claim is None or withdraw:
             self._check_unclaimed_access(lease, kind, token)

@@ -76,14 +76,16 @@ class InProcessLeases:
         raises KvsvcError when refused (LEASE_EXPIRED once D gave it up or it expired)."""
         return progressive.commit(self._node, req)
 
-    def withdraw(self, request_id: str, token: str) -> bool:
-        """Take back an unclaimed lease, or a progressive one not final yet (claimed or not).
+    def withdraw(self, request_id: str, token: str, *, even_final: bool = False) -> bool:
+        """Take back an unclaimed lease, or a progressive one not final yet (claimed or not;
+        even_final: final too -- the engine freed its blocks, e.g. preempted the request).
         True: the blocks are the engine's again (withdrawn, already released, or never made;
         no release is announced; a D following a growing lease fails typed and never uses
         what its READs still in flight read); False: D holds a claim on a whole lease and
         reads, and the release that ends it comes through on_release."""
         try:
-            self._node.leases.notify(request_id, NotifyKind.ABORTED, [], self._node.epoch, token=token, withdraw=True)
+            self._node.leases.notify(request_id, NotifyKind.ABORTED, [], self._node.epoch, token=token, withdraw=True,
+                                     even_final=even_final)
         except PermissionDenied:
             return False
         self._leased.discard(request_id)
@@ -147,7 +149,7 @@ class InProcessTransfers:
 
     async def transfer(
         self, request_id: str, params: pb.TransferParams, local_block_ids_per_group: Sequence[Sequence[int]],
-        *, timeout_s: float | None = None, traceparent: str = "",
+        *, timeout_s: float | None = None, traceparent: str = "", local_prefix_tokens: int = 0,
     ) -> pb.TransferResponse:
         """As TransferChannel.transfer (traceparent is not needed in process: the caller's
         span, if any, is the current one)."""
@@ -155,7 +157,7 @@ class InProcessTransfers:
         if self._closed:
             raise Unreachable("the in-process carrier was closed")
         assert asyncio.get_running_loop() is self._loop, "call on the server's event loop"
-        req = pb.TransferRequest(request_id=request_id, params=params,
+        req = pb.TransferRequest(request_id=request_id, params=params, local_prefix_tokens=local_prefix_tokens,
                                  local_block_ids_per_group=blocks_proto(local_block_ids_per_group))
         return await self._decoder.transfer(req, timeout_s)
 

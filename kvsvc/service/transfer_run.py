@@ -116,6 +116,7 @@ class TransferRun:
         self.reads_done: asyncio.Future[None] | None = None
         self.own: Ownership | None = None
         self.growing: ProgressiveBlocks | None = None  # a progressive lease's progress (plan: _follow)
+        self.chunks = {False: 0, True: 0}  # chunks read while the lease grew (False) and after its final commit
         self.follower: CommitFollower
 
     # ---- phases ---------------------------------------------------------------------
@@ -261,6 +262,7 @@ class TransferRun:
                 continue
             await self._post(self._reads(self.legs[0].peer.side, *chunk, 0))
             self.recorded.append(functools.partial(self.node.metrics.progressive_read, not follower.final))
+            self.chunks[follower.final] += 1
             if first:
                 first = False
                 self.marks.append(("post", time.perf_counter()))
@@ -373,7 +375,8 @@ class TransferRun:
             r.num_descriptors += x.descriptors
             r.duration_us = max(r.duration_us, int(x.flight.result.result() * 1e6))
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in self.posted),
-                                   duration_us=int((time.perf_counter() - self.started) * 1e6))
+                                   duration_us=int((time.perf_counter() - self.started) * 1e6),
+                                   chunks_read_growing=self.chunks[False], chunks_read_final=self.chunks[True])
 
     # ---- claims and failures ----------------------------------------------------------
 

@@ -217,3 +217,17 @@ async def test_the_engine_ends_its_growing_lease_claimed_or_not_but_not_a_final_
     with pytest.raises(PermissionDenied) as e:
         table.notify("f", NotifyKind.ABORTED, [], 3, token=final.token, withdraw=True)
     assert e.value.reason == "LEASE_NOT_OWNER" and table.get("f") is not None
+
+
+async def test_an_engine_that_freed_the_blocks_revokes_even_a_final_claimed_lease(table):
+    """vLLM preempted the request after its last chunk (its blocks are freed, and may be
+    refilled by the next forward): even_final takes the claimed, final lease back, and the
+    claimant's confirm is refused -- what it read is never used."""
+    final = opened(table, "f")
+    commit(table, final, 2, [[3], []], final=True)
+    with pytest.raises(PermissionDenied):  # the token is still the engine's proof
+        table.notify("f", NotifyKind.ABORTED, [], 3, token="x" * 32, withdraw=True, even_final=True)
+    state, _ = table.notify("f", NotifyKind.ABORTED, [], 3, token=final.token, withdraw=True, even_final=True)
+    assert state is LeaseState.ABORTED and table.get("f") is None and table.leased_blocks == 0
+    state, _ = table.notify("f", NotifyKind.CONSUMED, [0], 3, claim_id=CLAIM)
+    assert state is LeaseState.ABORTED, "the claimant's confirm must not find a consumed lease"

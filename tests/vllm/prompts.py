@@ -15,4 +15,4 @@ PROMPTS = [[rng.randrange(1, 500) for _ in range(n)] for n in LENGTHS]
 HEAD = [rng.randrange(1, 500) for _ in range(96)]  # three whole blocks
 LONGER = HEAD + [rng.randrange(1, 500) for _ in range(40)]
 BATCHES = {"all": PROMPTS, "longer": [LONGER], "first-two": PROMPTS[:2], "next-two": PROMPTS[2:4],
-           "alone-5": [PROMPTS[5]], "alone-9": [PROMPTS[9]]}
+           "alone-5": [PROMPTS[5]], "alone-9": [PROMPTS[9]], "alone-10": [PROMPTS[10]]}

@@ -152,10 +152,10 @@ def vllm_serve(name: str, model: Path, logs: Path, connector: dict[str, Any] | N
     return Served(name, argv, logs, port, env)
 
 
-def router(logs: Path, prefill: Served, decode: Served) -> Served:
+def router(logs: Path, prefill: Served, decode: Served, *extra_args: str) -> Served:
     port = _free_port()
     argv = [sys.executable, "-m", "kvsvc.integrations.vllm.router", "--prefill", prefill.url, "--decode", decode.url,
-            "--port", str(port)]
+            "--port", str(port), *extra_args]
     return Served("router", argv, logs, port)
 
 

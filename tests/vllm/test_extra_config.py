@@ -19,7 +19,7 @@ def test_known_keys_are_read_as_their_types():
     ({"lease_ttl_s": "60"}, "lease_ttl_s"),            # a string is not a number
     ({"allowed_peers": "p"}, "allowed_peers"),
     ({"listen_host": 7}, "listen_host"),
-    ({"progressive": True}, "progressive"),            # SGLang's only, for now: not silently ignored
+    ({"progressive": True}, "progressive"),            # vLLM streams per request (the router), not per engine
 ])
 def test_an_unknown_key_or_a_wrong_type_is_refused_by_name(extra, named):
     with pytest.raises(ValueError) as e:

@@ -16,7 +16,9 @@ from tests.vllm.engines import Engines, kernel_block_size, write_mla_model
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.test_hetero_tp import against_nixl_connector
 
-pytestmark = pytest.mark.timeout(900)
+# Four engines (about 3.5 minutes on two cores): in make test-full. make test covers MLA's
+# pairing with real servers (tests/e2e) and the mapping's spread of MLA ranks (tests/unit).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.full]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,11 @@ class StandIn:
         self.garbled = False  # P answers 200 with what vLLM never sends
         self.stuck = False  # P answers only once let_go is set
         self.let_go = asyncio.Event()
+        self.params: dict = PARAMS  # P's kv_transfer_params
+        self.status = 200  # P's answer
+        self.arrived = asyncio.Event()  # a request came
+        self.answer_after: asyncio.Event | None = None  # P answers only once this is set
+        self.cut = asyncio.Event()  # D: the router closed D's answer before its end
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_get("/v1/models", self.list_models)
@@ -37,19 +42,28 @@ class StandIn:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((request.headers.get("X-Request-Id"), body))
+        self.arrived.set()
         if not self.chunks:  # P
             await asyncio.sleep(self.pause_s)
             if self.stuck:
                 await self.let_go.wait()
+            if self.answer_after is not None:
+                await self.answer_after.wait()
             if self.garbled:
                 return web.Response(text="<html>a proxy's error page</html>", content_type="text/html")
-            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+            if self.status != 200:
+                return web.json_response({"error": {"message": "bad prompt"}}, status=self.status)
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": self.params})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for i in range(self.chunks):
-            await asyncio.sleep(self.pause_s)
-            await out.write(f"data: {i}\n\n".encode())
-        await out.write_eof()
+        try:
+            for i in range(self.chunks):
+                await asyncio.sleep(self.pause_s)
+                await out.write(f"data: {i}\n\n".encode())
+            await out.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            self.cut.set()
+            raise
         return out
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -64,10 +78,11 @@ class StandIn:
         return str(self.server.make_url("")).rstrip("/")
 
 
-async def _routed(prefill: list[StandIn], decode: list[StandIn], timeout_s: float = 600.0) -> TestServer:
+async def _routed(prefill: list[StandIn], decode: list[StandIn], timeout_s: float = 600.0,
+                  progressive: bool = False) -> TestServer:
     for e in (*prefill, *decode):
         await e.server.start_server()
-    router = TestServer(make_app([e.url for e in prefill], [e.url for e in decode], timeout_s))
+    router = TestServer(make_app([e.url for e in prefill], [e.url for e in decode], timeout_s, progressive))
     await router.start_server()
     return router
 
@@ -172,3 +187,66 @@ def test_an_unusable_request_id_is_replaced(given):
 
     made = request_id(given)
     assert made != given and len(made) == 32 and json.dumps(made)
+
+
+KVSVC_PARAMS = {  # what a kvsvc P engine answers (its servers, this request's lease)
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
+    "remote_request_id": "cmpl-1", "remote_num_tokens": 40, "tp_size": 1, "dcp_size": 1,
+    "kvsvc": {"remote_address": "127.0.0.1:7000", "remote_engine_id": "p-engine", "remote_request_id": "cmpl-1",
+              "remote_block_ids_per_group": [{"block_ids": [3]}], "remote_epoch": "5", "remote_tp_size": 1,
+              "lease_token": "ab" * 16, "lease_pending": True, "remote_dcp_size": 1,
+              "remote_servers": [{"address": "127.0.0.1:7000", "ranks": [0], "epoch": "5"}]}}
+
+
+async def test_progressive_sends_p_and_d_at_once_once_p_named_its_servers():
+    """The first request goes P then D (P's answer names its servers); the next goes to both
+    at once -- P answers only after D got the request, so a router that waited for P would
+    time out -- with D's params naming the lease P is told to make."""
+    p, d = StandIn("p", ["m"]), StandIn("d", ["m"], chunks=2)
+    p.params = KVSVC_PARAMS
+    router = await _routed([p], [d], timeout_s=5.0, progressive=True)
+    try:
+        async with ClientSession() as s:
+            async with s.post(str(router.make_url("/v1/completions")), json={"prompt": "one"}) as r:
+                assert r.status == 200
+            assert d.seen[0][1]["kv_transfer_params"] == KVSVC_PARAMS and "kvsvc_stream" not in str(p.seen[0][1])
+            p.answer_after = d.arrived
+            d.arrived.clear()
+            async with s.post(str(router.make_url("/v1/completions")), json={"prompt": "two"}) as r:
+                assert r.status == 200 and await r.text() == "data: 0\n\ndata: 1\n\n"
+        order = p.seen[1][1]["kv_transfer_params"]["kvsvc_stream"]
+        got = d.seen[1][1]["kv_transfer_params"]
+        assert got["remote_request_id"] == got["kvsvc"]["remote_request_id"] == order["lease_id"]
+        assert got["kvsvc"]["lease_token"] == order["lease_token"] != KVSVC_PARAMS["kvsvc"]["lease_token"]
+        assert got["kvsvc"]["progressive"] and got["kvsvc"]["lease_pending"]
+        assert got["kvsvc"]["remote_servers"] == KVSVC_PARAMS["kvsvc"]["remote_servers"]
+        assert p.seen[1][1]["max_tokens"] == 1 and d.seen[1][1]["prompt"] == "two"
+    finally:
+        await _close(router, p.server, d.server)
+
+
+@pytest.mark.parametrize("fails", ["answers an error", "cannot be reached"])
+async def test_progressive_p_that_fails_is_the_answer_and_ds_request_is_closed(fails):
+    p, d = StandIn("p", ["m"]), StandIn("d", ["m"], chunks=50, pause_s=0.1)
+    p.params = KVSVC_PARAMS
+    router = await _routed([p], [d], timeout_s=5.0, progressive=True)
+    try:
+        async with ClientSession() as s:
+            async with s.post(str(router.make_url("/v1/completions")), json={"prompt": "learn"}) as r:
+                await r.read()  # D's whole answer: P is known now
+            d.arrived.clear()
+            p.answer_after = d.arrived  # P fails only once D is working on the request
+            if fails == "answers an error":
+                p.status = 400
+            else:
+                await p.server.close()
+            async with s.post(str(router.make_url("/v1/completions")), json={"prompt": "two"}) as r:
+                body = await r.json()
+                if fails == "answers an error":
+                    assert r.status == 400 and body == {"error": {"message": "bad prompt"}}
+                else:
+                    assert r.status == 502 and body["error"]["type"] == "ENGINE_UNREACHABLE"
+        if fails == "answers an error":
+            await asyncio.wait_for(d.cut.wait(), 10)  # D's request was closed (vLLM aborts it)
+    finally:
+        await _close(router, p.server, d.server)

@@ -41,7 +41,7 @@ from kvsvc.config import Role
 from kvsvc.integrations.amx import request_amx
 from kvsvc.integrations.settings import EngineSettings
 from kvsvc.integrations.vllm.extra_config import checked_extra
-from kvsvc.integrations.vllm.layout import describe
+from kvsvc.integrations.vllm.layout import describe, stream_block_size
 from kvsvc.integrations.vllm.metadata import KvsvcConnectorMetadata
 from kvsvc.integrations.vllm.scheduler import KvsvcScheduler
 from kvsvc.integrations.vllm.stats import KvsvcConnectorStats, KvsvcPromMetrics
@@ -155,13 +155,18 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra = extra
         self._scheduler: KvsvcScheduler | None = None
         self._worker: KvsvcWorker | None = None
+        self._on_device = False  # the KV caches are on a CUDA device (a forward ends after it returns)
         if role == KVConnectorRole.SCHEDULER:
             ttl = extra.server.get("lease_ttl_s")
+            block_size, not_streamable = stream_block_size(kv_cache_config)
+            if self._dcp_size > 1:
+                not_streamable = "progressive leases do not carry DCP's interleaved blocks"
             self._scheduler = KvsvcScheduler(
                 engine_id=self._engine_id, tp_size=self._tp_size, dcp_size=self._dcp_size,
                 is_producer=self._kv_role in (Role.PREFILL, Role.BOTH),
                 lease_ttl_ms=extra.lease_ttl_ms or (int(float(ttl) * 1000) if ttl else 0),
-                lease_heartbeat_s=extra.lease_heartbeat_s)
+                lease_heartbeat_s=extra.lease_heartbeat_s, stream_block_size=block_size,
+                not_streamable=not_streamable)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -184,6 +189,9 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
 
         rank = get_tensor_model_parallel_rank()
         settings = self._extra
+        first = next(iter(kv_caches.values()), None)
+        self._on_device = bool(getattr(first[0] if isinstance(first, (list, tuple)) and first else first, "is_cuda",
+                                       False))
         description = describe(kv_caches, self._kv_cache_config, model_id=_model_id(self._config, settings.model_id),
                                total_num_kv_heads=self._config.model_config.get_total_num_kv_heads(),
                                dcp_size=self._dcp_size)
@@ -206,11 +214,31 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads run whole requests asynchronously, before vLLM schedules them
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the forward: streamed leases whose blocks vLLM freed are taken back first."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KvsvcConnectorMetadata):
+            self._worker.revoke(kv_connector_metadata)
+
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # D pulls from P's blocks: nothing to push
 
     def wait_for_save(self) -> None:
-        return None
+        """After the forward was launched: the chunks of streamed requests it computes are
+        committed once it ran (on a GPU, once an event recorded after it completed)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self._worker is not None and isinstance(meta, KvsvcConnectorMetadata) and meta.commit:
+            self._worker.commit_after_forward(meta, self._forward_done())
+
+    def _forward_done(self) -> Any:
+        """What a commit waits on: the device finishing the work queued so far (None on CPU,
+        where the forward ran before this returned)."""
+        if not self._on_device:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -16,6 +16,7 @@ def checked_extra(extra: dict[str, Any]) -> EngineSettings:
     """The settings; ValueError naming what is wrong."""
     settings = EngineSettings.from_mapping(extra, WHERE)
     if settings.progressive:
-        raise ValueError(f"{WHERE}.progressive: the vLLM connector does not stream leases yet "
-                         "(docs/ARCHITECTURE.md, \"Progressive pull\"); leave it out")
+        raise ValueError(f"{WHERE}.progressive: a vLLM engine streams a request whenever its router sends "
+                         "it to P and D at once (kvsvc's router: --progressive; docs/VLLM.md), with no engine "
+                         "setting; leave it out")
     return settings

@@ -180,3 +180,23 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
         kv_memory_layout=KvMemoryLayout(memory or "HND"), region_layout=RegionLayout(region or "split_kv"),
         dcp_size=dcp_size)
     return CacheDescription(layout, buffers, per_logical)
+
+
+STREAMED_KINDS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def stream_block_size(kv_cache_config: Any) -> tuple[int, str]:
+    """(vLLM's block size in tokens, "") when this engine's requests can be streamed chunk by
+    chunk -- every group full or MLA attention, of one block size: a request's block list
+    then only grows while it prefills -- else (0, why not). A sliding-window group lets
+    blocks go mid-prefill, which a D still reading them must never see."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return 0, "the engine has no KV cache groups"
+    kinds = {type(g.kv_cache_spec).__name__ for g in groups}
+    if not kinds <= set(STREAMED_KINDS):
+        return 0, f"KV cache groups of {sorted(kinds - set(STREAMED_KINDS))} are not streamed (only full and MLA attention)"
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) != 1:
+        return 0, f"KV cache groups use different block sizes {sorted(sizes)}"
+    return sizes.pop(), ""

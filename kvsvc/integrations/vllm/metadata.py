@@ -31,6 +31,9 @@ class Receive:
     local_block_ids: list[list[int]]
     params: dict[str, Any]
     awaiting: bool
+    # A streamed request: the leading tokens D holds already (a prefix hit, whole blocks);
+    # its local blocks are those after them, paired with P's from the request's start.
+    prefix_tokens: int = 0
 
 
 @dataclass
@@ -46,6 +49,20 @@ class Publish:
     # (so D never waits for a later step); request_finished then hands out its token, or
     # the lease is withdrawn.
     early: bool = False
+
+
+@dataclass
+class Commit:
+    """P: one chunk of a streamed request, committed by each worker once this step's forward
+    computed it (epoch 1 opens the lease with it)."""
+
+    lease_id: str
+    lease_token: str
+    epoch: int
+    block_ids: list[list[int]]  # kernel block ids this chunk appends, per group
+    num_tokens: int  # the request's tokens computed once this step's forward ran
+    final: bool
+    lease_ttl_ms: int = 0
 
 
 @dataclass
@@ -71,3 +88,10 @@ class KvsvcConnectorMetadata(KVConnectorMetadata):
     delayed_early: set[str] = field(default_factory=set)
     # P: early leases nobody will claim (request_id -> token): taken back, no release event.
     withdraw: dict[str, str] = field(default_factory=dict)
+    # P: chunks of streamed requests this step's forward computes (request id -> commit),
+    # committed after it.
+    commit: dict[str, Commit] = field(default_factory=dict)
+    # P: streamed requests whose blocks vLLM freed before D was done (preempted, aborted,
+    # or never leased): request id -> (lease id, token). Taken back before this step's
+    # forward may overwrite the blocks; a D reading them fails typed, and uses nothing.
+    revoke: dict[str, tuple[str, str]] = field(default_factory=dict)

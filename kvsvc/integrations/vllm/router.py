@@ -20,6 +20,12 @@ generation may stream for as long as it needs -- only connecting to D is bounded
 /health, else 503; both list each engine's state. /v1/models lists the models that some
 prefill and some decode engine both serve.
 
+With --progressive, a request goes to P and D at once (once P answered once, naming its
+servers): P leases it under a lease id and token the router mints and commits it chunk by
+chunk as it prefills; D's params name that lease, and D reads each chunk while P computes
+the next (docs/ARCHITECTURE.md, "Progressive pull"). P's error is then the answer too, and
+D's request is closed.
+
 It is an example of the protocol, small enough to read in one go: a production router
 adds load-aware choice and retries. Needs aiohttp (vLLM depends on it).
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -35,6 +42,8 @@ import uuid
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from kvsvc.integrations.vllm import stream_params
 
 log = logging.getLogger("kvsvc.router")
 
@@ -89,7 +98,7 @@ def _why(e: BaseException) -> tuple[str, str]:
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float, progressive: bool = False) -> None:
         self.prefill_urls = [u.rstrip("/") for u in prefill]
         self.decode_urls = [u.rstrip("/") for u in decode]
         self._prefill = itertools.cycle(self.prefill_urls)
@@ -99,6 +108,10 @@ class Router:
         self._decode_timeout = ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         self._probe_timeout = ClientTimeout(total=PROBE_TIMEOUT_S)
         self._session: ClientSession | None = None
+        # Progressive pull: each P engine's servers as its last answer named them (a request
+        # is streamed to a P once one of its answers was seen).
+        self.progressive = progressive
+        self._identity: dict[str, dict[str, Any]] = {}
 
     async def start(self, app: web.Application) -> None:
         # Idle connections are dropped well before the engines drop them (vLLM's HTTP server
@@ -122,6 +135,9 @@ class Router:
         headers[REQUEST_ID_HEADER] = request_id(request.headers.get(REQUEST_ID_HEADER))
         path = request.path
         p_url = next(self._prefill)
+        ident = self._identity.get(p_url) if self.progressive else None
+        if ident is not None:
+            return await self._streamed(request, body, headers, path, p_url, ident)
         try:
             async with self._session.post(p_url + path, json=prefill_body(body), headers=headers,
                                           timeout=self._prefill_timeout) as p:
@@ -138,6 +154,7 @@ class Router:
         if not params:
             log.warning("prefill engine returned no kv_transfer_params for %s: the decode engine prefills itself",
                         headers[REQUEST_ID_HEADER])
+        self._learn(p_url, params)
         d_url = next(self._decode)
         try:
             d = await self._session.post(d_url + path, json=decode_body(body, params), headers=headers,
@@ -145,6 +162,53 @@ class Router:
         except (TimeoutError, ClientError, OSError) as e:
             log.warning("decode engine %s failed for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
             return engine_failed("decode", d_url, *_why(e))
+        return await self._relay(request, d, d_url, headers)
+
+    def _learn(self, p_url: str, params: Any) -> None:
+        """Keep what P's answer says of P's servers: a streamed request's D params name them."""
+        ident = stream_params.identity(params) if isinstance(params, dict) else None
+        if ident is not None:
+            self._identity[p_url] = ident
+
+    async def _streamed(self, request: web.Request, body: dict[str, Any], headers: dict[str, str], path: str,
+                        p_url: str, ident: dict[str, Any]) -> web.StreamResponse:
+        """P and D at once: P leases the request under a lease id and token minted here and
+        commits it chunk by chunk; D's params name that lease, and D reads each chunk while P
+        computes the next. P's error (or P not answering) is the answer, and D's request is
+        closed (vLLM aborts it; kvsvc frees P's lease)."""
+        assert self._session is not None
+        order = stream_params.new_stream()
+        d_url = next(self._decode)
+        p_body = {**prefill_body(body), "kv_transfer_params": stream_params.prefill_stream_params(order)}
+        d_call = asyncio.ensure_future(self._session.post(
+            d_url + path, json=decode_body(body, stream_params.decode_stream_params(ident, order)), headers=headers,
+            timeout=self._decode_timeout))
+        handed_on = False
+        try:
+            try:
+                async with self._session.post(p_url + path, json=p_body, headers=headers,
+                                              timeout=self._prefill_timeout) as p:
+                    answer = await p.read()
+            except (TimeoutError, ClientError, OSError) as e:
+                log.warning("prefill engine %s failed for %s: %s", p_url, headers[REQUEST_ID_HEADER], e)
+                return engine_failed("prefill", p_url, *_why(e))
+            if p.status != 200:
+                return web.Response(body=answer, status=p.status, content_type=p.content_type)
+            with contextlib.suppress(ValueError, AttributeError):
+                self._learn(p_url, json.loads(answer).get("kv_transfer_params"))
+            try:
+                d = await d_call
+            except (TimeoutError, ClientError, OSError) as e:
+                log.warning("decode engine %s failed for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
+                return engine_failed("decode", d_url, *_why(e))
+            handed_on = True
+            return await self._relay(request, d, d_url, headers)
+        finally:
+            if not handed_on:
+                await _close(d_call)
+
+    async def _relay(self, request: web.Request, d: Any, d_url: str, headers: dict[str, str]) -> web.StreamResponse:
+        """D's answer, as D gives it (streamed or not), to the client."""
         async with d:
             out = web.StreamResponse(status=d.status, headers={
                 "Content-Type": d.headers.get("Content-Type", "application/json"),
@@ -198,8 +262,21 @@ class Router:
         return web.json_response({"object": "list", "data": list(both.values())})
 
 
-def make_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> web.Application:
-    router = Router(prefill, decode, timeout_s)
+async def _close(call: asyncio.Future[Any]) -> None:
+    """End a D call not handed on: cancelled if it has not answered, else its answer closed
+    (either way vLLM aborts the request)."""
+    if not call.done():
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await call
+        return
+    if not call.cancelled() and call.exception() is None:
+        call.result().close()
+
+
+def make_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
+             progressive: bool = False) -> web.Application:
+    router = Router(prefill, decode, timeout_s, progressive)
     app = web.Application()
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
@@ -218,9 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout-s", type=float, default=600.0,
                     help="limit of one prefill call (D's answer has none: it streams as long as it generates)")
+    ap.add_argument("--progressive", action="store_true",
+                    help="send each request to P and D at once: D reads P's KV chunk by chunk while P prefills "
+                         "(once a P engine answered once: its answer names its servers)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    web.run_app(make_app(args.prefill, args.decode, args.timeout_s), host=args.host, port=args.port)
+    web.run_app(make_app(args.prefill, args.decode, args.timeout_s, args.progressive), host=args.host,
+                port=args.port)
 
 
 if __name__ == "__main__":

@@ -22,19 +22,20 @@ import logging
 from typing import Any
 
 from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm import stream_params
 from kvsvc.integrations.vllm.layout import kernel_block_ids
 from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
+from kvsvc.integrations.vllm.streams import FINISHED_OK, PrefillStreams
 from kvsvc.leases.table import new_lease_token
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
-
-FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
 class KvsvcScheduler:
     def __init__(self, *, engine_id: str, tp_size: int, dcp_size: int, is_producer: bool,
                  lease_ttl_ms: int = 0,
-                 lease_heartbeat_s: float = LEASE_HEARTBEAT_S) -> None:
+                 lease_heartbeat_s: float = LEASE_HEARTBEAT_S, stream_block_size: int = 0,
+                 not_streamable: str = "") -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.dcp_size = dcp_size
@@ -51,11 +52,20 @@ class KvsvcScheduler:
         self._prefilling: dict[str, Any] = {}
         self._blocks: dict[str, list[list[int]]] = {}
         self._early: dict[str, Publish] = {}
+        # P: requests a router streams to D (progressive pull: streams.py).
+        self._streams = PrefillStreams(block_size=stream_block_size, lease_ttl_ms=lease_ttl_ms,
+                                       not_streamable=not_streamable or ("" if stream_block_size else
+                                                                         "no block size known"))
+        # D: streamed requests' local prefix hits (tokens), from the ask to the allocation.
+        self._prefix_tokens: dict[str, int] = {}
 
     # ---- set-up ----------------------------------------------------------------------
 
     def set_servers(self, metadata: dict[int, Any]) -> None:
         self._servers = {rank: meta for rank, meta in metadata.items() if isinstance(meta, ServerInfo)}
+        per_logical = {info.blocks_per_logical for info in self._servers.values()}
+        if len(per_logical) == 1:
+            self._streams.blocks_per_logical = per_logical.pop()
 
     def shutdown(self) -> None:
         """Nothing to close: the scheduler side holds no connection (its work is in the metadata)."""
@@ -76,15 +86,36 @@ class KvsvcScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not kvparams.is_kvsvc(params):
-            if self.is_producer and params and params.get("do_remote_decode") and \
-                    getattr(request, "max_tokens", None) == 1:
-                self._prefilling[request.request_id] = request  # P: lease it in the step that ends it
+            if self.is_producer and params and params.get("do_remote_decode"):
+                self._produce(request, params)
             return 0, False
         # Every prompt token P computed: D recomputes nothing of the prompt but what
-        # vLLM itself decides to (it always computes the last token for its logits).
-        total = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
-        count = total - num_computed_tokens
+        # vLLM itself decides to (it always computes the last token for its logits). A
+        # streamed request's P computes all of the prompt (it had no answer to tell D how many).
+        remote = int(params.get("remote_num_tokens") or 0)
+        if stream_params.is_streamed(params):
+            remote = remote or request.num_prompt_tokens
+            self._prefix_tokens[request.request_id] = num_computed_tokens
+        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _produce(self, request: Any, params: dict[str, Any]) -> None:
+        """P: a request a decode engine will continue -- streamed when a router sent it to D
+        at once (a stream order), else leased in the step that ends its prompt."""
+        rid = request.request_id
+        try:
+            order = stream_params.stream_order(params)
+        except ValueError as e:
+            log.warning("kvsvc: %s is not streamed: %s", rid, e)
+            order = None
+        one_token = getattr(request, "max_tokens", None) == 1
+        if order is not None:
+            why_not = "" if one_token else "a streamed request must end with its prompt (max_tokens 1)"
+            if len(self._servers) != self.tp_size:
+                why_not = why_not or f"kvsvc servers known for ranks {sorted(self._servers)}, TP is {self.tp_size}"
+            self._streams.add(request, order, self._meta, why_not)
+        elif one_token:
+            self._prefilling[rid] = request  # lease it in the step that ends it
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -94,12 +125,17 @@ class KvsvcScheduler:
         # Only the blocks D does not hold already (a prefix hit keeps its hashed blocks).
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[] for _ in blocks.blocks]
         awaiting = num_external_tokens > 0
-        self._meta.receive[request.request_id] = Receive(kvparams.block_lists(local), dict(params), awaiting)
+        prefix = self._prefix_tokens.pop(request.request_id, 0)
+        self._meta.receive[request.request_id] = Receive(kvparams.block_lists(local), dict(params), awaiting, prefix)
         if awaiting:
             self._waiting.add(request.request_id)
         params["do_remote_prefill"] = False  # one transfer per request
 
     def build_connector_meta(self, scheduler_output: Any) -> KvsvcConnectorMetadata:
+        try:
+            self._streams.step(scheduler_output, self._meta)
+        except Exception:  # never into vLLM's scheduler
+            log.exception("kvsvc: following the streamed requests failed")
         if self._prefilling:
             try:
                 self._lease_early(scheduler_output)
@@ -154,6 +190,14 @@ class KvsvcScheduler:
         early = self._early.pop(rid, None)
         self._prefilling.pop(rid, None)
         self._blocks.pop(rid, None)
+        self._prefix_tokens.pop(rid, None)
+        order = self._streams.order_of(rid)
+        streamed = self._streams.finished(request, self._meta)
+        if streamed is not None:
+            if not streamed or order is None:
+                return False, None
+            self._meta.delayed.add(rid)  # its lease (made by the workers) holds the blocks
+            return True, self._stream_params(order, int(request.num_prompt_tokens))
         delay, params = self._finished(request, block_ids, early)
         if early is not None and rid not in self._meta.delayed_early:
             self._meta.withdraw[rid] = early.lease_token  # made, but nobody gets its token
@@ -200,6 +244,16 @@ class KvsvcScheduler:
             raise RuntimeError(f"workers split vLLM's blocks differently: {sorted(per_logical)}")
         ids = kernel_block_ids(kvparams.block_lists(block_ids), per_logical.pop())
         return Publish(ids, num_tokens, new_lease_token(), self.lease_ttl_ms, early)
+
+    def _stream_params(self, order: stream_params.StreamOrder, num_tokens: int) -> dict[str, Any]:
+        """The params of a streamed request's lease (the router gave D its own already; P's
+        answer tells the router what P's servers are now)."""
+        servers = [(info.address, info.epoch, info.tp_rank) for info in (self._servers[r] for r in range(self.tp_size))]
+        params = kvparams.pending_params(engine_id=self.engine_id, request_id=order.lease_id, block_ids=[],
+                                         servers=servers, token=order.token, num_tokens=num_tokens,
+                                         tp_size=self.tp_size, dcp_size=self.dcp_size)
+        params[kvparams.KEY]["progressive"] = True
+        return params
 
     def _params(self, request_id: str, order: Publish) -> dict[str, Any]:
         """The params naming the lease (lease_pending: a D that asks before it exists waits)."""

@@ -14,6 +14,8 @@ names sit next to vLLM's vllm:nixl_* ones and mean the same where both have them
     vllm:kvsvc_num_kv_consumed_reqs      P: leases a decode engine read and released
     vllm:kvsvc_num_kv_aborted_reqs       P: leases given back unread (D aborted, or P withdrew)
     vllm:kvsvc_num_kv_expired_reqs       P: leases whose TTL ran out (no decode engine came)
+    vllm:kvsvc_streamed_chunks_growing   D: chunks of streamed requests read while P still prefilled
+    vllm:kvsvc_streamed_chunks_final     D: chunks of streamed requests read after P's last one
 
 P's counters count per worker (each worker's server holds its own lease of a request).
 """
@@ -32,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
 SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors")
-COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed")
+COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed", "chunks_growing", "chunks_final")
 RELEASES_COUNTED = frozenset({"consumed", "aborted", "expired"})  # how a lease ended (LeaseState values)
 
 
@@ -89,6 +91,9 @@ class KvsvcConnectorStats(KVConnectorStats):
         out |= {"Num failed transfers": self.data["failed"], "Num cancelled transfers": self.data["cancelled"],
                 "Num KV consumed reqs": self.data["consumed"], "Num KV aborted reqs": self.data["aborted"],
                 "Num KV expired reqs": self.data["expired"], "Num failed leases": self.data["lease_failed"]}
+        if self.data["chunks_growing"] or self.data["chunks_final"]:
+            out |= {"Streamed chunks read while P prefilled": self.data["chunks_growing"],
+                    "Streamed chunks read after": self.data["chunks_final"]}
         return out
 
 
@@ -123,6 +128,12 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
             "lease_failed": self._counter("vllm:kvsvc_num_failed_leases",
                                           "Finished prefills a worker's server could not lease (their blocks "
                                           "were freed; the decode engine's transfer fails at once)."),
+            "chunks_growing": self._counter("vllm:kvsvc_streamed_chunks_growing",
+                                            "Chunks of streamed requests a decode worker read while the prefill "
+                                            "engine still computed the request (transfer hidden behind prefill)."),
+            "chunks_final": self._counter("vllm:kvsvc_streamed_chunks_final",
+                                          "Chunks of streamed requests a decode worker read after the prefill "
+                                          "engine's last one."),
         }
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> dict[int, Any]:

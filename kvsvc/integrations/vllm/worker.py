@@ -8,7 +8,9 @@ metadata names the leases to make (under tokens the scheduler minted) and to tak
 the worker makes them on its own server, in process, on the server's loop
 (service/in_process.py's InProcessLeases); its release stream, in process too, says when
 D is done with a request's blocks (consumed, expired or aborted); vLLM frees them once
-every worker reported it.
+every worker reported it. A streamed request (streams.py) is committed chunk by chunk after
+each step's forward, and revoked before a forward that may overwrite its blocks; P's steps
+run on the loop through one queue, in order (a commit may wait for the device first).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvsvc.client import AsyncClient, ClientOptions
@@ -31,7 +34,14 @@ from kvsvc.integrations.embedded import EmbeddedServer
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layout import kernel_block_ids
-from kvsvc.integrations.vllm.metadata import LEASE_HEARTBEAT_S, KvsvcConnectorMetadata, Publish, Receive, ServerInfo
+from kvsvc.integrations.vllm.metadata import (
+    LEASE_HEARTBEAT_S,
+    Commit,
+    KvsvcConnectorMetadata,
+    Publish,
+    Receive,
+    ServerInfo,
+)
 from kvsvc.integrations.vllm.stats import RELEASES_COUNTED, KvsvcConnectorStats
 from kvsvc.leases.table import LeaseState
 from kvsvc.service.in_process import InProcessLeases
@@ -43,6 +53,9 @@ log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and l
 TRANSFER_TIMEOUT_S = 120.0  # the default of EngineSettings.transfer_timeout_s
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
+# A revoke runs before the forward that may overwrite the blocks: the engine waits for it,
+# and stops (rather than serve bytes a D may still be reading) if the server's loop never runs it.
+REVOKE_TIMEOUT_S = 300.0
 # Heartbeat answers that leave a waiting request's lease worth keeping (P's params can be
 # handed out a step before P's workers make the lease: it may not exist yet).
 KEPT = ("LEASE_STATE_OFFERED", LEASE_NOT_YET_MADE)
@@ -94,6 +107,12 @@ class KvsvcWorker:
         self._released: OrderedDict[str, None] = OrderedDict()
         self._delayed: OrderedDict[str, None] = OrderedDict()
         self._early_failed: OrderedDict[str, None] = OrderedDict()  # early leases refused (on the loop)
+        # P, on the loop: streamed requests' leases (lease id <-> vLLM's request id), from their
+        # opening until released or revoked, and the queue P's steps run through, in order.
+        self._stream_rid: dict[str, str] = {}
+        self._stream_lease: dict[str, str] = {}
+        self._p_jobs: asyncio.Queue[tuple[Callable[[], Awaitable[None]], concurrent.futures.Future[None] | None]] | None = None
+        self._p_runner: asyncio.Future[None] | None = None
         self._stopping = False
         self._stats = KvsvcConnectorStats()  # since vLLM last took them
         # Since start, for whoever asks (vLLM takes the stats above every step).
@@ -140,13 +159,16 @@ class KvsvcWorker:
 
     def _released_here(self, request_id: str, how: LeaseState) -> None:
         """P, on the loop: a lease of this rank's server ended (InProcessLeases says each once)."""
-        self._record_release(request_id, how.value)
+        rid = self._stream_rid.pop(request_id, None)
+        if rid is not None:
+            self._stream_lease.pop(rid, None)
+        self._record_release(rid or request_id, how.value)
 
     def _waiting_for(self) -> list[str]:
-        """P, on the loop: what a gap in the release stream is looked up for -- the requests
-        vLLM keeps blocks for and has not heard released."""
+        """P, on the loop: what a gap in the release stream is looked up for -- the leases of
+        the requests vLLM keeps blocks for and has not heard released."""
         with self._lock:
-            return [r for r in self._delayed if r not in self._released]
+            return [self._stream_lease.get(r, r) for r in self._delayed if r not in self._released]
 
     def _record_release(self, request_id: str, reason: str) -> None:
         with self._lock:
@@ -165,10 +187,12 @@ class KvsvcWorker:
             return
         channels, self._heartbeat_channels = self._heartbeat_channels, {}
         keeper, self._kept = self._keeper, {}
+        runner = self._p_runner
 
-        async def quiet() -> None:  # the heartbeats, before the server stops under them
-            if keeper is not None:
-                keeper.cancel()
+        async def quiet() -> None:  # the heartbeats and P's queue, before the server stops under them
+            for task in (keeper, runner):
+                if task is not None:
+                    task.cancel()
             for c in channels.values():
                 await c.close()
 
@@ -181,11 +205,15 @@ class KvsvcWorker:
     # ---- each step -------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
+        if meta.revoke:  # where vLLM did not call handle_preemptions first
+            self.revoke(meta)
         if meta.delayed or meta.publish or meta.withdraw:
-            # One callback on the server's loop, so that this step's leases are made before
-            # the next step's metadata is looked at (it may name them), and in this order.
-            self._loop.loop.call_soon_threadsafe(self._p_step, set(meta.delayed), set(meta.delayed_early),
-                                                 dict(meta.withdraw), dict(meta.publish))
+            # One job on the server's loop, after the earlier steps' commits, so that this
+            # step's leases are made before the next step's metadata is looked at (it may
+            # name them), and in this order.
+            step = functools.partial(self._p_step, set(meta.delayed), set(meta.delayed_early), dict(meta.withdraw),
+                                     dict(meta.publish))
+            self._loop.loop.call_soon_threadsafe(self._enqueue, _now(step), None)
         for req_id, recv in meta.receive.items():
             fut = self._loop.submit(self._transfer(req_id, recv))
             self._running[req_id] = fut
@@ -201,6 +229,100 @@ class KvsvcWorker:
             if meta.keep_alive or meta.stop_keep_alive:
                 self._loop.loop.call_soon_threadsafe(self._update_kept, dict(meta.keep_alive),
                                                      set(meta.stop_keep_alive))
+
+    # ---- P: the queue of steps, streamed requests ---------------------------------------
+
+    def commit_after_forward(self, meta: KvsvcConnectorMetadata, forward_done: Callable[[], None] | None) -> None:
+        """P, after this step's forward was launched: commit the chunks it computes, once
+        forward_done() returned (the device finished it; None: it has already)."""
+        if meta.commit:
+            job = functools.partial(self._commit_step, dict(meta.commit), forward_done)
+            self._loop.loop.call_soon_threadsafe(self._enqueue, job, None)
+
+    def revoke(self, meta: KvsvcConnectorMetadata) -> None:
+        """P, before this step's forward: take back the leases of streamed requests whose
+        blocks vLLM freed. Returns once done (after the earlier steps' commits), so no READ
+        of those blocks can be confirmed once the forward may overwrite them."""
+        revokes, meta.revoke = dict(meta.revoke), {}
+        if not revokes or self._embedded is None:
+            return
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._loop.loop.call_soon_threadsafe(self._enqueue, _now(functools.partial(self._revoke_here, revokes)), done)
+        try:
+            done.result(REVOKE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"kvsvc: rank {self.tp_rank} could not take back {len(revokes)} streamed leases in "
+                               f"{REVOKE_TIMEOUT_S:.0f} s; stopping rather than overwrite blocks a D may read") from None
+
+    def _enqueue(self, job: Callable[[], Awaitable[None]], done: concurrent.futures.Future[None] | None) -> None:
+        """On the loop: run job after every job queued before it."""
+        if self._p_jobs is None:
+            self._p_jobs = asyncio.Queue()
+            self._p_runner = asyncio.ensure_future(self._run_p_jobs(self._p_jobs))
+        self._p_jobs.put_nowait((job, done))
+
+    async def _run_p_jobs(self, jobs: asyncio.Queue[Any]) -> None:
+        while True:
+            job, done = await jobs.get()
+            try:
+                await job()
+            except Exception:
+                log.exception("kvsvc: rank %d: a prefill step's lease work failed", self.tp_rank)
+            finally:
+                if done is not None and not done.done():
+                    done.set_result(None)
+
+    async def _commit_step(self, commits: dict[str, Commit], forward_done: Callable[[], None] | None) -> None:
+        if forward_done is not None:
+            await asyncio.to_thread(forward_done)
+        leases = self._embedded.leases if self._embedded is not None else None
+        if leases is None:
+            return
+        for rid, c in commits.items():
+            self._commit(leases, rid, c)
+
+    def _commit(self, leases: InProcessLeases, rid: str, c: Commit) -> None:
+        """One chunk of a streamed request on this rank's server: open its lease (epoch 1) or
+        append to it. A refused commit takes the lease back (its blocks go back to vLLM once
+        the request is delayed); a commit after a revoke or a failure is dropped."""
+        blocks = [pb.BlockIds(block_ids=g) for g in c.block_ids]
+        try:
+            if c.epoch == 1:
+                self._stream_rid[c.lease_id], self._stream_lease[rid] = rid, c.lease_id
+                leases.lease(pb.PublishBlocksRequest(
+                    request_id=c.lease_id, block_ids_per_group=blocks, lease_token=c.lease_token,
+                    lease_ttl_ms=c.lease_ttl_ms, num_tokens=c.num_tokens, progressive=True))
+                if c.final:
+                    leases.commit(pb.CommitBlocksRequest(
+                        request_id=c.lease_id, lease_token=c.lease_token, commit_epoch=2, num_tokens=c.num_tokens,
+                        block_ids_per_group=[pb.BlockIds() for _ in c.block_ids], final=True))
+            elif self._stream_lease.get(rid) == c.lease_id:
+                leases.commit(pb.CommitBlocksRequest(
+                    request_id=c.lease_id, lease_token=c.lease_token, commit_epoch=c.epoch, num_tokens=c.num_tokens,
+                    block_ids_per_group=blocks, final=c.final))
+        except KvsvcError as e:
+            log.info("kvsvc: rank %d: commit %d of %s (%s) refused: %s", self.tp_rank, c.epoch, rid, c.lease_id, e)
+            self._drop_stream(leases, rid, c.lease_id, c.lease_token)
+            self._record_release(rid, "")  # nobody reads its blocks any more
+
+    def _revoke_here(self, revokes: dict[str, tuple[str, str]]) -> None:
+        leases = self._embedded.leases if self._embedded is not None else None
+        if leases is None:  # shutting down: nothing is read from this server any more
+            return
+        for rid, (lease_id, token) in revokes.items():
+            self._drop_stream(leases, rid, lease_id, token)
+
+    def _drop_stream(self, leases: InProcessLeases, rid: str, lease_id: str, token: str) -> None:
+        """Take back a streamed request's lease, final or not (a D reading it fails typed and
+        uses nothing); one never made is refused, so a D waiting for it fails now."""
+        if self._stream_lease.get(rid) == lease_id:
+            del self._stream_lease[rid]
+        self._stream_rid.pop(lease_id, None)
+        if not leases.withdraw(lease_id, token, even_final=True):
+            log.warning("kvsvc: rank %d: the lease %s of %s is not this request's to take back", self.tp_rank,
+                        lease_id, rid)
+        elif not leases.is_live(lease_id) and leases.final_state(lease_id) is None:
+            leases.refuse(lease_id, token)
 
     def _p_step(self, delayed: set[str], delayed_early: set[str], withdraw: dict[str, str],
                 publish: dict[str, Publish]) -> None:
@@ -227,11 +349,12 @@ class KvsvcWorker:
         for rid, order in publish.items():
             self._lease(leases, rid, order)
         # Every request vLLM now keeps blocks for has had its lease made (in this step or,
-        # early, in an earlier one). One with no live lease left was released before vLLM
-        # said so -- an early lease released while the release stream was behind is heard
-        # of no other way -- and is reported now (twice is harmless: reported once).
+        # early, in an earlier one; a streamed one by its commits, queued before this). One
+        # with no live lease left was released before vLLM said so -- an early lease released
+        # while the release stream was behind is heard of no other way -- and is reported
+        # now (twice is harmless: reported once).
         for rid in delayed:
-            if not leases.is_live(rid):
+            if not leases.is_live(self._stream_lease.get(rid, rid)):
                 self._record_release(rid, "")
 
     def _lease(self, leases: InProcessLeases, rid: str, order: Publish) -> None:
@@ -272,7 +395,8 @@ class KvsvcWorker:
         # No await before transfer_here: a cancel that comes first is found there.
         params = kvparams.from_vllm(recv.params)
         local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
-        return await embedded.transfer_here(req_id, params, local, self._transfer_timeout_s)
+        return await embedded.transfer_here(req_id, params, local, self._transfer_timeout_s,
+                                            local_prefix_tokens=recv.prefix_tokens)
 
     def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
         failed = fut.cancelled() or fut.exception() is not None
@@ -289,6 +413,8 @@ class KvsvcWorker:
                 resp = fut.result()
                 self._totals["loaded"] += 1
                 self._totals["bytes"] += resp.total_bytes
+                self._stats.count("chunks_growing", resp.chunks_read_growing)
+                self._stats.count("chunks_final", resp.chunks_read_final)
                 self._stats.record_transfer(xfer_s=resp.duration_us / 1e6,
                                             wire_s=max((r.duration_us for r in resp.ranks), default=0) / 1e6,
                                             nbytes=resp.total_bytes, descriptors=sum(r.num_descriptors for r in resp.ranks))
@@ -391,3 +517,11 @@ class KvsvcWorker:
             recving, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()
         return sending, recving, failed
+
+
+def _now(step: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    """A plain step as a job of the queue."""
+    async def run() -> None:
+        step()
+
+    return run

@@ -1,0 +1,129 @@
+"""Streamed requests (progressive pull) between real vLLM engines, through kvsvc's router.
+
+The router (--progressive) sends each request to P and D at once: P prefills it in chunks
+(64 tokens a step here) and commits each chunk's blocks to a lease named by the router; D
+reads each chunk while P computes the next. Answers equal the aggregated run (greedy token
+ids and logprobs); D holding a prefix reads only the tail; a client that goes away at any
+point leaves neither engine holding a block nor P a lease. Preemption and abort on P at
+each step are driven through the connector's own scheduler and workers in
+test_stream_workers.py (vLLM preempts only when its cache is full, at no point a test picks).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from tests.vllm.engines import kvsvc, kvsvc_servers
+from tests.vllm.prompts import LONGER, PROMPTS
+from tests.vllm.releases import Releases
+from tests.vllm.served import Served, completion, router, tokens_and_logprobs, vllm_serve
+
+pytestmark = pytest.mark.timeout(900)
+
+CHUNK_TOKENS = 64  # P's prefill step: PROMPTS[10] (200 tokens) takes four
+
+
+@pytest.fixture(scope="module")
+def streamed(engines, reference, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("streamed")
+    # P without a prefix cache: a prompt sent twice is prefilled (and streamed) twice.
+    p = vllm_serve("stream-p", engines.model, logs, kvsvc("kv_producer", lease_ttl_s=40),
+                   extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--no-enable-prefix-caching"))
+    d = vllm_serve("stream-d", engines.model, logs, kvsvc("kv_consumer"))
+    procs: list[Served] = [p, d]
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        r = router(logs, p, d, "--progressive")
+        procs.append(r)
+        r.wait_ready(60)
+        # The router streams to a P once it has seen an answer of it (naming P's servers).
+        assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
+        yield p, d, r
+    finally:
+        for s in procs:
+            s.stop()
+
+
+def chunks_read(d: Served) -> tuple[float, float]:
+    m = d.metrics()
+    return m.get("vllm:kvsvc_streamed_chunks_growing_total", 0.0), m.get("vllm:kvsvc_streamed_chunks_final_total", 0.0)
+
+
+def nothing_held(p: Served, d: Served) -> None:
+    assert p.blocks_all_free(), ("P still holds blocks", p.tail())
+    assert d.blocks_all_free(), ("D still holds blocks", d.tail())
+
+
+def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
+    p, d, r = streamed
+    releases = Releases(kvsvc_servers(p.log))
+    try:
+        before = sum(chunks_read(d))
+        routed = r.post("/v1/completions", completion(PROMPTS[10], 8))
+        assert tokens_and_logprobs(routed) == reference["alone-10"][0]
+        streamed_ids = []
+        answer = requests.post(r.url + "/v1/completions", json=completion(PROMPTS[9], 8, stream=True), stream=True,
+                               timeout=300)
+        for line in answer.iter_lines():
+            if line.startswith(b"data: {"):
+                streamed_ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        assert streamed_ids == reference["alone-9"][0]["token_ids"]
+        # Both were streamed: D read them as committed chunks (not as a whole lease), and
+        # each stream lease was consumed on P.
+        assert d.wait_metric("vllm:kvsvc_streamed_chunks_final_total", 1) >= 1
+        growing, final = chunks_read(d)
+        assert growing + final - before >= 2, (growing, final)
+        print(f"D read {growing:.0f} chunks while P prefilled and {final:.0f} after")  # timing, not asserted
+        got = releases.wait([], timeout_s=5)
+        streams = {rid: reasons for rid, reasons in got.items() if rid.startswith("kvsvc-stream-")}
+        assert len(streams) >= 2 and all(v == ["RELEASE_REASON_CONSUMED"] for v in streams.values()), got
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    nothing_held(p, d)
+
+
+def test_d_holding_a_prefix_reads_only_the_tail(streamed, reference):
+    """LONGER twice: the second time D holds its whole blocks (its prefix cache) and reads
+    only the last, partial one of P's stream; both answers equal the aggregated run."""
+    p, d, r = streamed
+    first = r.post("/v1/completions", completion(LONGER, 8))
+    assert tokens_and_logprobs(first) == reference["longer"][0]
+    bytes_before = d.metrics().get("vllm:kvsvc_bytes_transferred_sum", 0.0)
+    count_before = d.metrics().get("vllm:kvsvc_bytes_transferred_count", 0.0)
+    again = r.post("/v1/completions", completion(LONGER, 8))
+    assert tokens_and_logprobs(again) == reference["longer"][0]
+    assert d.wait_metric("vllm:kvsvc_bytes_transferred_count", count_before + 1) >= count_before + 1
+    tail = d.metrics()["vllm:kvsvc_bytes_transferred_sum"] - bytes_before
+    whole = bytes_before / max(count_before, 1)
+    assert 0 < tail < whole / 2, (tail, whole)  # one block of LONGER's five
+    nothing_held(p, d)
+
+
+@pytest.mark.parametrize("after_s", [0.05, 0.3, 1.0])
+def test_a_client_that_goes_away_mid_stream_leaves_nothing_held(streamed, reference, after_s):
+    """The client gives up at some point of P's prefill, D's read or D's decode: both engines
+    abort the request, P's lease is revoked or released, no block stays held on either side,
+    and the next request is served exactly."""
+    p, d, r = streamed
+    releases = Releases(kvsvc_servers(p.log))
+    try:
+        with pytest.raises(requests.Timeout):
+            requests.post(r.url + "/v1/completions", json=completion(PROMPTS[10], 300, ignore_eos=True),
+                          timeout=after_s)
+        nothing_held(p, d)
+        assert releases.live_leases() == 0
+    finally:
+        releases.close()
+    assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8))) == reference["alone-10"][0]
+
+
+def test_the_long_request_the_abort_test_sends_is_served_whole(streamed):
+    """What the test above abandons is a request the engines serve (not one refused at once)."""
+    _, _, r = streamed
+    answer = r.post("/v1/completions", completion(PROMPTS[10], 300, ignore_eos=True))
+    assert len(answer["choices"][0]["token_ids"]) == 300
