@@ -35,7 +35,7 @@ SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-progressive bench-vllm bench-sglang clean node
+.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-progressive bench-vllm-stream bench-vllm bench-sglang clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -189,6 +189,11 @@ bench-hosts: $(STAMP)
 # Progressive pull vs pull after prefill, P and D on two simulated hosts (needs root).
 bench-progressive: $(STAMP)
 	$(BIN)/python -m benchmarks.progressive --json benchmarks/progressive.json
+
+# vLLM P and D on two simulated hosts: streamed (--progressive) vs pulled vs NixlConnector,
+# TTFT and the handover after P's prefill (needs root for the namespaces; about 30 minutes).
+bench-vllm-stream: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_stream --json benchmarks/vllm-stream.json
 
 # The same vLLM P/D pair with KvsvcConnector and with vLLM's NixlConnector, side by side.
 bench-vllm: $(VLLM_STAMP)

@@ -127,3 +127,32 @@ def test_the_long_request_the_abort_test_sends_is_served_whole(streamed):
     _, _, r = streamed
     answer = r.post("/v1/completions", completion(PROMPTS[10], 300, ignore_eos=True))
     assert len(answer["choices"][0]["token_ids"]) == 300
+
+
+@pytest.mark.full
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_streamed_across_tp_sizes_equals_the_same_pair_pulling(engines, tmp_path, p_tp, d_tp):
+    """P and D of different TP sizes: each P worker commits its own server's lease, and each D
+    worker reads the heads it needs from every P server as they commit. The oracle is the same
+    pair pulling after P's prefill (a TP-2 engine's numerics are not a TP-1 engine's); neither
+    engine keeps a prefix cache, so each request moves its whole KV."""
+    no_cache = ("--no-enable-prefix-caching",)
+    p = vllm_serve(f"stream-p-tp{p_tp}", engines.model, tmp_path, kvsvc("kv_producer", lease_ttl_s=40), tp=p_tp,
+                   extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), *no_cache))
+    d = vllm_serve(f"stream-d-tp{d_tp}", engines.model, tmp_path, kvsvc("kv_consumer"), tp=d_tp, extra_args=no_cache)
+    procs: list[Served] = [p, d]
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        r = router(tmp_path, p, d, "--progressive")
+        procs.append(r)
+        r.wait_ready(60)
+        pulled = tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8)))  # P not known yet
+        assert d.metrics().get("vllm:kvsvc_streamed_chunks_final_total", 0) == 0
+        for _ in range(2):
+            assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8))) == pulled
+        assert d.wait_metric("vllm:kvsvc_streamed_chunks_final_total", 2 * d_tp) >= 2 * d_tp  # per D worker
+        nothing_held(p, d)
+    finally:
+        for s in procs:
+            s.stop()

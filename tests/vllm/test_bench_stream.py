@@ -1,0 +1,43 @@
+"""benchmarks/vllm_stream.py: its table from samples, and (make test-full) one short real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.vllm_stream import summary, table
+from tests.hosts.harness import available
+
+
+def _sample(ttft: float, p_done: float) -> dict[str, float]:
+    return {"ttft": ttft, "p_done": p_done, "tail": ttft - p_done}
+
+
+def test_the_table_joins_both_kvsvc_runs_and_gives_the_tail_hidden():
+    results = {"cells": ["1024x1"], "rounds": 2,
+               "kvsvc": {"samples": {"pull 1024 x1": [_sample(0.30, 0.20)], "stream 1024 x1": [_sample(0.25, 0.22)]}},
+               "nixl": {"samples": {"nixl 1024 x1": [_sample(0.60, 0.50), _sample(0.70, 0.58)]}},
+               "kvsvc-again": {"samples": {"pull 1024 x1": [_sample(0.32, 0.22)],
+                                           "stream 1024 x1": [_sample(0.26, 0.23)]}}}
+    rows = table(results, [(1024, 1)]).splitlines()
+    assert len(rows) == 3
+    # pull: tails 100 and 100 ms; stream: 30 and 30 ms: 70 % hidden; NixlConnector's p50 of two.
+    assert rows[2] == "| 1,024 | 1 | 310 (320) ms | 255 (260) ms | 650 (700) ms | 100 ms | 30 ms | 110 ms | 70 % |"
+    assert summary([_sample(0.3, 0.2)])["n"] == 1
+
+
+@pytest.mark.full
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(available() is not None, reason=str(available()))
+def test_a_short_run_measures_every_mode_across_two_hosts(tmp_path):
+    out = tmp_path / "stream.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.vllm_stream", "--cells", "1024x1", "--rounds", "1",
+                    "--json", str(out)], check=True, timeout=1700)
+    got = json.loads(out.read_text())
+    assert {"pull 1024 x1", "stream 1024 x1"} <= set(got["kvsvc"]["samples"]) and got["nixl"]["samples"]
+    assert got["kvsvc"]["per_mode"]["stream"]["chunks_read_growing"] + \
+        got["kvsvc"]["per_mode"]["stream"]["chunks_read_final"] >= 1
+    assert not any(got[r]["threads_off_cpu_after"][s] for r in ("kvsvc", "nixl") for s in ("p", "d"))
