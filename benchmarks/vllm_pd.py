@@ -81,7 +81,10 @@ def stream(url: str, body: dict[str, Any], t0: float) -> tuple[float, list[int]]
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
         for line in r.iter_lines():
             if line.startswith(b"data: {"):
-                got = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                event = json.loads(line[6:])
+                if "choices" not in event:  # an error mid-stream (vLLM sends it as an event)
+                    raise RuntimeError(f"the stream ended with {line[6:300].decode(errors='replace')}")
+                got = event["choices"][0].get("token_ids") or []
                 if got and first is None:
                     first = time.perf_counter() - t0
                 ids += got

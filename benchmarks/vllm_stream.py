@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="passes over every cell, per engine pair")
     ap.add_argument("--chunk", type=int, default=512, help="P's prefill chunk (--max-num-batched-tokens)")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--pairs", nargs="+", default=["kvsvc", "nixl", "kvsvc-again"],
+                    help="engine pairs to run, in order (NixlConnector's between two kvsvc runs by default)")
+    ap.add_argument("--logs", type=Path, help="keep the engines' logs here (default: a temporary directory)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     why_not = available()
@@ -272,12 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"cells": [f"{n}x{k}" for n, k in cells], "rounds": args.rounds, "chunk": args.chunk}
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-stream-") as tmp, hosts(2) as (a, b):
         base = Path(tmp)
+        logs = args.logs or base
+        logs.mkdir(parents=True, exist_ok=True)
         write_bench_model(base / "model", args.max_len)
         for h in (a, b):
             shutil.copytree(base / "model", f"/proc/{h.pid}/root{h.tmp}/model")
-        for name in ("kvsvc", "nixl", "kvsvc-again"):  # NixlConnector between two kvsvc runs
+        for name in args.pairs:
             print(f"{name}: starting P on {a.address} (CPU 0) and D on {b.address} (CPU 1) ...", file=sys.stderr)
-            results[name] = run_pair(name, a, b, base, cells, max(1, args.rounds // 2) if name != "nixl"
+            results[name] = run_pair(name, a, b, logs, cells, max(1, args.rounds // 2) if name != "nixl"
                                      else args.rounds, rng, args)
     print(table(results, cells))
     if args.json:

@@ -54,7 +54,16 @@ from kvsvc.memory.pools import MemoryKind
 from kvsvc.reasons import Reason
 from kvsvc.service import content
 from kvsvc.service.commit_follower import COMMIT_WAIT_MARGIN_S, CommitFollower, group_shapes
-from kvsvc.service.legs import ClaimRefused, Leg, Ownership, abort_all, claim_all, confirm_all, heartbeat
+from kvsvc.service.legs import (
+    PENDING_LEASE_WAIT_S,
+    ClaimRefused,
+    Leg,
+    Ownership,
+    abort_all,
+    claim_all,
+    confirm_all,
+    heartbeat,
+)
 from kvsvc.service.node import Node
 from kvsvc.service.peers import RemoteRank
 from kvsvc.service.tracing import Clock, record_phases, record_span, traceparent
@@ -384,7 +393,12 @@ class TransferRun:
         """Send the claim now -- a long read runs, or a READ failed and P should say why --
         its answer measured and traced."""
         assert self.own is not None
-        claimed = asyncio.ensure_future(claim_all(self.legs, self.own, self.rpc_timeout()))
+        timeout_s = self.rpc_timeout()
+        if self.growing is not None and self.req.params.lease_pending:
+            # A streamed request's D may come before P's engine took the request in: its claim
+            # waits for the lease as long as a pending claim may (not one RPC's timeout).
+            timeout_s = max(0.05, min(max(timeout_s, PENDING_LEASE_WAIT_S), self._left()))
+        claimed = asyncio.ensure_future(claim_all(self.legs, self.own, timeout_s))
         sent = time.perf_counter()
 
         def answered(f: asyncio.Future[None]) -> None:

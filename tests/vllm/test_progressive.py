@@ -11,7 +11,10 @@ test_stream_workers.py (vLLM preempts only when its cache is full, at no point a
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
@@ -26,13 +29,14 @@ pytestmark = pytest.mark.timeout(900)
 CHUNK_TOKENS = 64  # P's prefill step: PROMPTS[10] (200 tokens) takes four
 
 
-@pytest.fixture(scope="module")
-def streamed(engines, reference, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("streamed")
-    # P without a prefix cache: a prompt sent twice is prefilled (and streamed) twice.
-    p = vllm_serve("stream-p", engines.model, logs, kvsvc("kv_producer", lease_ttl_s=40),
+@contextlib.contextmanager
+def pair(model: Path, logs: Path, p_tp: int = 1, d_tp: int = 1,
+         d_args: tuple[str, ...] = ()) -> Iterator[tuple[Served, Served, Served]]:
+    """P (prefilling in chunks, without a prefix cache: a prompt sent twice is prefilled and
+    streamed twice), D, and kvsvc's router with --progressive."""
+    p = vllm_serve(f"stream-p-tp{p_tp}", model, logs, kvsvc("kv_producer", lease_ttl_s=40), tp=p_tp,
                    extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--no-enable-prefix-caching"))
-    d = vllm_serve("stream-d", engines.model, logs, kvsvc("kv_consumer"))
+    d = vllm_serve(f"stream-d-tp{d_tp}", model, logs, kvsvc("kv_consumer"), tp=d_tp, extra_args=d_args)
     procs: list[Served] = [p, d]
     try:
         p.wait_ready()
@@ -40,12 +44,18 @@ def streamed(engines, reference, tmp_path_factory):
         r = router(logs, p, d, "--progressive")
         procs.append(r)
         r.wait_ready(60)
-        # The router streams to a P once it has seen an answer of it (naming P's servers).
-        assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
         yield p, d, r
     finally:
         for s in procs:
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def streamed(engines, reference, tmp_path_factory):
+    with pair(engines.model, tmp_path_factory.mktemp("streamed")) as (p, d, r):
+        # The router streams to a P once it has seen an answer of it (naming P's servers).
+        assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
+        yield p, d, r
 
 
 def chunks_read(d: Served) -> tuple[float, float]:
@@ -136,23 +146,10 @@ def test_streamed_across_tp_sizes_equals_the_same_pair_pulling(engines, tmp_path
     worker reads the heads it needs from every P server as they commit. The oracle is the same
     pair pulling after P's prefill (a TP-2 engine's numerics are not a TP-1 engine's); neither
     engine keeps a prefix cache, so each request moves its whole KV."""
-    no_cache = ("--no-enable-prefix-caching",)
-    p = vllm_serve(f"stream-p-tp{p_tp}", engines.model, tmp_path, kvsvc("kv_producer", lease_ttl_s=40), tp=p_tp,
-                   extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), *no_cache))
-    d = vllm_serve(f"stream-d-tp{d_tp}", engines.model, tmp_path, kvsvc("kv_consumer"), tp=d_tp, extra_args=no_cache)
-    procs: list[Served] = [p, d]
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        r = router(tmp_path, p, d, "--progressive")
-        procs.append(r)
-        r.wait_ready(60)
+    with pair(engines.model, tmp_path, p_tp, d_tp, ("--no-enable-prefix-caching",)) as (p, d, r):
         pulled = tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8)))  # P not known yet
         assert d.metrics().get("vllm:kvsvc_streamed_chunks_final_total", 0) == 0
         for _ in range(2):
             assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8))) == pulled
         assert d.wait_metric("vllm:kvsvc_streamed_chunks_final_total", 2 * d_tp) >= 2 * d_tp  # per D worker
         nothing_held(p, d)
-    finally:
-        for s in procs:
-            s.stop()

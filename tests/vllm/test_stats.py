@@ -16,6 +16,8 @@ from kvsvc.integrations.vllm.connector import KvsvcConnector
 def one_worker_step():
     s = KvsvcConnector.build_kv_connector_stats()
     s.record_transfer(xfer_s=0.010, wire_s=0.004, nbytes=2**20, descriptors=3)
+    s.record_report_delay(0.002)
+    s.count("chunks_growing", 3)
     s.count("consumed")
     s.count("cancelled")
     return s
@@ -31,6 +33,7 @@ def test_aggregate_and_reduce_without_sharing_lists():
     assert r["Avg xfer time (ms)"] == 10.0 and r["Avg wire time (ms)"] == 4.0
     assert r["Avg MB per transfer"] == 1.0 and r["Throughput (MB/s)"] == 250.0  # 2 MiB over 8 ms of wire
     assert (r["Num KV consumed reqs"], r["Num cancelled transfers"], r["Num failed transfers"]) == (2, 2, 0)
+    assert r["Avg report delay (ms)"] == 2.0 and r["Streamed chunks read while P prefilled"] == 6
     assert not b.is_empty() and KvsvcConnector.build_kv_connector_stats().is_empty()
 
 
@@ -50,3 +53,5 @@ def test_prometheus_metrics_carry_the_observations():
     assert got["vllm:kvsvc_num_kv_consumed_reqs_total"] == 2
     assert got["vllm:kvsvc_num_cancelled_transfers_total"] == 2
     assert got["vllm:kvsvc_num_kv_expired_reqs_total"] == 0
+    assert abs(got["vllm:kvsvc_report_delay_seconds_sum"] - 0.004) < 1e-9
+    assert got["vllm:kvsvc_streamed_chunks_growing_total"] == 6

@@ -73,6 +73,14 @@ def _run_step(sched: KvsvcScheduler, p: KvsvcWorker, req: SimpleNamespace, out: 
     return meta
 
 
+def _claimed(p: KvsvcWorker, lease_id: str) -> bool:
+    """Whether D holds a claim on lease_id on P's server (looked at in process)."""
+    server = p._server
+    assert server is not None
+    lease = server.node.leases.get(lease_id)
+    return lease is not None and bool(lease.claims)
+
+
 def _same(p: KvsvcWorker, d: KvsvcWorker, p_block: int, d_block: int) -> bool:
     return all(torch.equal(a[p_block], b[d_block]) for a, b in zip(p.buffers, d.buffers, strict=True))
 
@@ -82,10 +90,14 @@ def test_d_reads_each_chunk_while_p_still_prefills_and_p_frees_once_d_is_done():
     try:
         sched, order = _p_scheduler(p), stream_params.new_stream()
         req = _request("s1", 3 * BLOCK, order)
-        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.on_new_request(req)  # vLLM takes it in: its lease opens (empty) with the next step
         d.start_load_kv(KvsvcConnectorMetadata(receive={"d-s1": Receive([[20, 21, 22]], _d_params(p, order), True)}))
+        queued = _run_step(sched, p, req, _step())  # a step that does not schedule it (P is busy)
+        assert queued.open["s1"].epoch == 1 and queued.open["s1"].block_ids == [[]] and not queued.commit
+        assert _until(lambda: _claimed(p, order.lease_id)), "D claims the lease while the request waits on P"
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         first = _run_step(sched, p, req, _step({"s1": [5]}, {"s1": BLOCK}))
-        assert first.commit["s1"].epoch == 1 and first.commit["s1"].block_ids == [[5]]
+        assert first.commit["s1"].epoch == 2 and first.commit["s1"].block_ids == [[5]] and not first.open
         # D read the first chunk before P computed the second (held on the bytes landing).
         assert _until(lambda: _same(p, d, 5, 20)), "D did not read the first chunk while P prefilled"
         assert not _same(p, d, 6, 21)
@@ -116,7 +128,7 @@ def test_a_prompt_of_one_chunk_is_opened_and_made_final_at_once():
         sched.get_num_new_matched_tokens(req, 0)
         d.start_load_kv(KvsvcConnectorMetadata(receive={"d-s1": Receive([[30, 31]], _d_params(p, order), True)}))
         meta = _run_step(sched, p, req, _step({"s1": [8, 9]}, {"s1": BLOCK + 3}))
-        assert meta.commit["s1"].epoch == 1 and meta.commit["s1"].final
+        assert meta.open["s1"].epoch == 1 and meta.commit["s1"].epoch == 2 and meta.commit["s1"].final
         assert _loaded(d, "d-s1") == "loaded"
         assert _same(p, d, 8, 30) and _same(p, d, 9, 31)
     finally:
@@ -241,7 +253,7 @@ def test_commits_cover_each_prompt_once_in_order_whatever_the_chunking():
         joined = [b for c in commits for b in c.block_ids[0]]
         want = [k for b in allocated[:-(-prompt // block)] for k in range(b * per_logical, (b + 1) * per_logical)]
         assert joined == want, case
-        assert [c.epoch for c in commits] == list(range(1, len(commits) + 1))
+        assert [c.epoch for c in commits] == list(range(2, len(commits) + 2))  # 1: the empty opening
         assert [c.final for c in commits] == [False] * (len(commits) - 1) + [True]
         assert commits[-1].num_tokens == prompt
         assert all(a.num_tokens <= b.num_tokens for a, b in itertools.pairwise(commits))

@@ -54,7 +54,7 @@ class Publish:
 @dataclass
 class Commit:
     """P: one chunk of a streamed request, committed by each worker once this step's forward
-    computed it (epoch 1 opens the lease with it)."""
+    computed it; epoch 1 opens the lease, empty, as the request arrives."""
 
     lease_id: str
     lease_token: str
@@ -88,6 +88,9 @@ class KvsvcConnectorMetadata(KVConnectorMetadata):
     delayed_early: set[str] = field(default_factory=set)
     # P: early leases nobody will claim (request_id -> token): taken back, no release event.
     withdraw: dict[str, str] = field(default_factory=dict)
+    # P: streamed requests vLLM took in since the last step: their leases opened, empty
+    # (epoch 1), ahead of this step's commits.
+    open: dict[str, Commit] = field(default_factory=dict)
     # P: chunks of streamed requests this step's forward computes (request id -> commit),
     # committed after it.
     commit: dict[str, Commit] = field(default_factory=dict)

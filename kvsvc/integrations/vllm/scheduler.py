@@ -35,7 +35,7 @@ class KvsvcScheduler:
     def __init__(self, *, engine_id: str, tp_size: int, dcp_size: int, is_producer: bool,
                  lease_ttl_ms: int = 0,
                  lease_heartbeat_s: float = LEASE_HEARTBEAT_S, stream_block_size: int = 0,
-                 not_streamable: str = "") -> None:
+                 not_streamable: str = "", stream_groups: int = 1) -> None:
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.dcp_size = dcp_size
@@ -53,7 +53,7 @@ class KvsvcScheduler:
         self._blocks: dict[str, list[list[int]]] = {}
         self._early: dict[str, Publish] = {}
         # P: requests a router streams to D (progressive pull: streams.py).
-        self._streams = PrefillStreams(block_size=stream_block_size, lease_ttl_ms=lease_ttl_ms,
+        self._streams = PrefillStreams(block_size=stream_block_size, lease_ttl_ms=lease_ttl_ms, groups=stream_groups,
                                        not_streamable=not_streamable or ("" if stream_block_size else
                                                                          "no block size known"))
         # D: streamed requests' local prefix hits (tokens), from the ask to the allocation.
@@ -73,6 +73,9 @@ class KvsvcScheduler:
     # ---- D: what to load -------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if self.is_producer and params and params.get("do_remote_decode"):
+            self._produce(request, params)  # a streamed request's lease opens now, empty
         if kvparams.is_kvsvc(request.kv_transfer_params) and self.lease_heartbeat_s > 0:
             self._queued.add(request.request_id)
             self._meta.keep_alive[request.request_id] = dict(request.kv_transfer_params)
@@ -103,6 +106,8 @@ class KvsvcScheduler:
         """P: a request a decode engine will continue -- streamed when a router sent it to D
         at once (a stream order), else leased in the step that ends its prompt."""
         rid = request.request_id
+        if rid in self._streams or rid in self._prefilling:
+            return  # seen already (vLLM asks each step until it schedules the request)
         try:
             order = stream_params.stream_order(params)
         except ValueError as e:

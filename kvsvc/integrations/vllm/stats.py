@@ -9,6 +9,7 @@ names sit next to vLLM's vllm:nixl_* ones and mean the same where both have them
     vllm:kvsvc_wire_time_seconds         D: its NIXL reads, post to completion (slowest rank)
     vllm:kvsvc_bytes_transferred         D: bytes one Transfer read
     vllm:kvsvc_num_descriptors           D: descriptors one Transfer posted
+    vllm:kvsvc_report_delay_seconds      D: a load ended -> vLLM heard of it (its next step's poll)
     vllm:kvsvc_num_failed_transfers      D: Transfers that failed (the load is reported failed)
     vllm:kvsvc_num_cancelled_transfers   D: Transfers cancelled (the request was aborted)
     vllm:kvsvc_num_kv_consumed_reqs      P: leases a decode engine read and released
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
-SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors")
+SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors", "report_delay_seconds")
 COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed", "chunks_growing", "chunks_final")
 RELEASES_COUNTED = frozenset({"consumed", "aborted", "expired"})  # how a lease ended (LeaseState values)
 
@@ -53,8 +54,11 @@ class KvsvcConnectorStats(KVConnectorStats):
     # ---- recording (a worker) --------------------------------------------------------
 
     def record_transfer(self, *, xfer_s: float, wire_s: float, nbytes: int, descriptors: int) -> None:
-        for key, value in zip(SERIES, (xfer_s, wire_s, nbytes, descriptors), strict=True):
+        for key, value in zip(SERIES[:4], (xfer_s, wire_s, nbytes, descriptors), strict=True):
             self.data[key].append(value)
+
+    def record_report_delay(self, seconds: float) -> None:
+        self.data["report_delay_seconds"].append(seconds)
 
     def count(self, key: str, n: int = 1) -> None:
         self.data[key] += n
@@ -65,7 +69,7 @@ class KvsvcConnectorStats(KVConnectorStats):
         self.data = _empty()
 
     def is_empty(self) -> bool:
-        return not self.data["xfer_seconds"] and not any(self.data[k] for k in COUNTS)
+        return not any(self.data[k] for k in SERIES) and not any(self.data[k] for k in COUNTS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in SERIES:
@@ -88,6 +92,9 @@ class KvsvcConnectorStats(KVConnectorStats):
                 "Throughput (MB/s)": round(sum(nbytes) / 2**20 / max(sum(wire), 1e-9), 3),
                 "Avg number of descriptors": round(sum(self.data["descriptors"]) / n, 1),
             }
+        delays = self.data["report_delay_seconds"]
+        if delays:
+            out["Avg report delay (ms)"] = round(1e3 * sum(delays) / len(delays), 3)
         out |= {"Num failed transfers": self.data["failed"], "Num cancelled transfers": self.data["cancelled"],
                 "Num KV consumed reqs": self.data["consumed"], "Num KV aborted reqs": self.data["aborted"],
                 "Num KV expired reqs": self.data["expired"], "Num failed leases": self.data["lease_failed"]}
@@ -112,6 +119,9 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
                                      [2 ** (10 + i) for i in range(1, 25, 2)]),
             "descriptors": self._histogram("vllm:kvsvc_num_descriptors", "Descriptors posted by one kvsvc Transfer.",
                                            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000, 20000]),
+            "report_delay_seconds": self._histogram(
+                "vllm:kvsvc_report_delay_seconds", "From a decode worker's load ending to vLLM hearing of it (vLLM "
+                "asks once per engine step): the engine's share of the handover.", seconds),
         }
         self._counts = {
             "failed": self._counter("vllm:kvsvc_num_failed_transfers",

@@ -1,10 +1,12 @@
 """P's streamed requests (progressive pull): which chunk each step's forward computes.
 
 A request whose kv_transfer_params carry a stream order (stream_params.py: a router sent
-it to P and D together) is leased under the router's lease id and token. Each step that
-schedules part of its prompt orders a Commit in the step's metadata: the blocks that step
-completes, committed by every worker after the forward (the first opens the lease, the one
-that completes the prompt is final). A request whose blocks vLLM frees before its lease is
+it to P and D together) is leased under the router's lease id and token. Its lease is opened
+empty as soon as vLLM takes the request in (epoch 1, before the next forward), so a D that
+came with it claims it at once and waits on P for chunks, however long the request queues
+on P. Each step that schedules part of its prompt orders a Commit in the step's metadata:
+the blocks that step completes, committed by every worker after the forward (the one that
+completes the prompt is final). A request whose blocks vLLM frees before its lease is
 done -- preempted, aborted, or finished otherwise -- has its lease revoked before the next
 forward can overwrite them: a D reading it then fails typed and uses nothing it read.
 
@@ -32,14 +34,15 @@ class _Stream:
     request: Any
     blocks: list[list[int]] | None = None  # vLLM's block ids per group, as scheduled so far
     sent: int = 0  # vLLM blocks (of each group) committed
-    epoch: int = 0  # the lease's commit epoch once the last ordered commit is made
+    epoch: int = 0  # the lease's commit epoch once the last ordered commit is made (1: opened, empty)
     final: bool = False  # the commit completing the prompt was ordered
     lost: str = ""  # why the request is not streamed any more ("" while it is)
 
 
 class PrefillStreams:
-    def __init__(self, *, block_size: int, not_streamable: str, lease_ttl_ms: int) -> None:
+    def __init__(self, *, block_size: int, not_streamable: str, lease_ttl_ms: int, groups: int = 1) -> None:
         self.block_size = block_size  # vLLM's block, in tokens (every group has the same)
+        self.groups = groups  # KV cache groups: an empty opening names each
         self.not_streamable = not_streamable  # why this engine cannot stream ("" when it can)
         self.lease_ttl_ms = lease_ttl_ms
         self.blocks_per_logical = 1  # kernel blocks in one of vLLM's blocks (set with the servers)
@@ -49,13 +52,17 @@ class PrefillStreams:
         return req_id in self._streams
 
     def add(self, request: Any, order: StreamOrder, meta: KvsvcConnectorMetadata, why_not: str = "") -> None:
-        """A new streamed request (again: vLLM asks each step until it schedules it)."""
+        """A new streamed request: its lease is opened, empty, by the next step's workers (again:
+        nothing; vLLM asks each step until it schedules it)."""
         if request.request_id in self._streams:
             return
-        self._streams[request.request_id] = _Stream(order, request)
+        self._streams[request.request_id] = _Stream(order, request, epoch=1)
         why_not = why_not or self.not_streamable
         if why_not:
             self._lose(request.request_id, why_not, meta)
+            return
+        meta.open[request.request_id] = Commit(order.lease_id, order.token, 1, [[] for _ in range(self.groups)], 0,
+                                               False, self.lease_ttl_ms)
 
     def step(self, out: Any, meta: KvsvcConnectorMetadata) -> None:
         """Follow this step's schedule: blocks added, requests preempted, chunks computed."""
@@ -93,8 +100,6 @@ class PrefillStreams:
         s.final = done >= prompt
         s.epoch += 1
         meta.commit[rid] = Commit(s.order.lease_id, s.order.token, s.epoch, new, done, s.final, self.lease_ttl_ms)
-        if s.epoch == 1 and s.final:
-            s.epoch += 1  # the worker opens the lease, then commits it final (empty)
         s.sent = need
 
     def finished(self, request: Any, meta: KvsvcConnectorMetadata) -> bool | None:
@@ -132,4 +137,5 @@ class PrefillStreams:
     def _revoke(rid: str, s: _Stream, meta: KvsvcConnectorMetadata, why: str) -> None:
         log.info("kvsvc: %s is not streamed any more (%s): its lease %s is taken back", rid, why, s.order.lease_id)
         meta.commit.pop(rid, None)
+        meta.open.pop(rid, None)
         meta.revoke[rid] = (s.order.lease_id, s.order.token)

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -100,6 +101,7 @@ class KvsvcWorker:
         self._running: dict[str, concurrent.futures.Future[Any]] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
+        self._settled_at: dict[str, float] = {}  # loads ended, not yet reported to vLLM: when
         # P: leases kvsvc released, and the requests whose blocks vLLM keeps for them (the
         # scheduler's word, in the metadata); a request is reported finished sending once it
         # is in both. Bounded, oldest dropped: most releases of requests vLLM did not delay
@@ -207,6 +209,9 @@ class KvsvcWorker:
     def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
         if meta.revoke:  # where vLLM did not call handle_preemptions first
             self.revoke(meta)
+        if meta.open:  # streamed requests' leases, opened empty ahead of this step's commits
+            self._loop.loop.call_soon_threadsafe(self._enqueue, _now(functools.partial(self._open, dict(meta.open))),
+                                                 None)
         if meta.delayed or meta.publish or meta.withdraw:
             # One job on the server's loop, after the earlier steps' commits, so that this
             # step's leases are made before the next step's metadata is looked at (it may
@@ -272,6 +277,12 @@ class KvsvcWorker:
                 if done is not None and not done.done():
                     done.set_result(None)
 
+    def _open(self, opens: dict[str, Commit]) -> None:
+        leases = self._embedded.leases if self._embedded is not None else None
+        if leases is not None:
+            for rid, c in opens.items():
+                self._commit(leases, rid, c)
+
     async def _commit_step(self, commits: dict[str, Commit], forward_done: Callable[[], None] | None) -> None:
         if forward_done is not None:
             await asyncio.to_thread(forward_done)
@@ -282,9 +293,10 @@ class KvsvcWorker:
             self._commit(leases, rid, c)
 
     def _commit(self, leases: InProcessLeases, rid: str, c: Commit) -> None:
-        """One chunk of a streamed request on this rank's server: open its lease (epoch 1) or
-        append to it. A refused commit takes the lease back (its blocks go back to vLLM once
-        the request is delayed); a commit after a revoke or a failure is dropped."""
+        """One chunk of a streamed request on this rank's server: open its lease (epoch 1, as
+        the request arrives) or append to it. A refused commit takes the lease back (its
+        blocks go back to vLLM once the request is delayed); a commit after a revoke or a
+        failure is dropped."""
         blocks = [pb.BlockIds(block_ids=g) for g in c.block_ids]
         try:
             if c.epoch == 1:
@@ -292,10 +304,6 @@ class KvsvcWorker:
                 leases.lease(pb.PublishBlocksRequest(
                     request_id=c.lease_id, block_ids_per_group=blocks, lease_token=c.lease_token,
                     lease_ttl_ms=c.lease_ttl_ms, num_tokens=c.num_tokens, progressive=True))
-                if c.final:
-                    leases.commit(pb.CommitBlocksRequest(
-                        request_id=c.lease_id, lease_token=c.lease_token, commit_epoch=2, num_tokens=c.num_tokens,
-                        block_ids_per_group=[pb.BlockIds() for _ in c.block_ids], final=True))
             elif self._stream_lease.get(rid) == c.lease_id:
                 leases.commit(pb.CommitBlocksRequest(
                     request_id=c.lease_id, lease_token=c.lease_token, commit_epoch=c.epoch, num_tokens=c.num_tokens,
@@ -421,6 +429,7 @@ class KvsvcWorker:
                 log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
             if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
                 self._recv_done.add(req_id)
+                self._settled_at[req_id] = time.perf_counter()
                 if failed:
                     self._recv_failed.add(req_id)
 
@@ -516,6 +525,9 @@ class KvsvcWorker:
                 del self._delayed[rid]
             recving, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()
+            now = time.perf_counter()
+            for rid in recving:  # how long vLLM took to ask (it asks once per step)
+                self._stats.record_report_delay(now - self._settled_at.pop(rid, now))
         return sending, recving, failed
 
 
