@@ -151,24 +151,34 @@ def batch(p: Served, d: Served, prompts: list[list[int]], mode: str, ident: dict
         return list(pool.map(lambda pr: one(p, d, pr, max_tokens, mode, ident), prompts))
 
 
-D_COUNTERS = ("xfer_sum", "xfer_count", "wire_sum", "wire_count", "growing", "final")
+D_COUNTERS = ("xfer_sum", "xfer_count", "wire_sum", "wire_count", "report_sum", "report_count", "growing", "final",
+              "p_cpu", "d_cpu")
 
 
-def d_counters(d: Served, xfer_histogram: str) -> dict[str, float]:
-    """D's connector figures so far: transfer and wire time histograms, chunks read."""
-    xfer, wire, m = histogram(d, xfer_histogram), histogram(d, "vllm:kvsvc_wire_time_seconds"), d.metrics()
+def d_counters(p: Served, d: Served, xfer_histogram: str) -> dict[str, float]:
+    """The figures so far: D's transfer, wire and report-delay histograms, chunks read, and the
+    CPU seconds of P's and D's processes."""
+    xfer, wire = histogram(d, xfer_histogram), histogram(d, "vllm:kvsvc_wire_time_seconds")
+    report, m = histogram(d, "vllm:kvsvc_report_delay_seconds"), d.metrics()
     return {"xfer_sum": xfer[0], "xfer_count": xfer[1], "wire_sum": wire[0], "wire_count": wire[1],
+            "report_sum": report[0], "report_count": report[1],
             "growing": m.get("vllm:kvsvc_streamed_chunks_growing_total", 0.0),
-            "final": m.get("vllm:kvsvc_streamed_chunks_final_total", 0.0)}
+            "final": m.get("vllm:kvsvc_streamed_chunks_final_total", 0.0), "p_cpu": cpu_seconds(p),
+            "d_cpu": cpu_seconds(d)}
 
 
 def per_mode(c: dict[str, float]) -> dict[str, Any]:
     """A mode's transfers: mean call-to-answer time (for a streamed one, from dispatch: it
-    includes P's prefill), mean wire time, chunks read while P prefilled and after."""
-    return {"transfers": int(c["xfer_count"]),
-            "transfer_ms_mean": round(1e3 * c["xfer_sum"] / c["xfer_count"], 1) if c["xfer_count"] else None,
-            "wire_ms_mean": round(1e3 * c["wire_sum"] / c["wire_count"], 1) if c["wire_count"] else None,
-            "chunks_read_growing": int(c["growing"]), "chunks_read_final": int(c["final"])}
+    includes P's prefill), mean wire time, how long vLLM took to hear a load ended, chunks read
+    while P prefilled and after, and P's and D's CPU seconds per request."""
+    def mean_ms(key: str) -> float | None:
+        return round(1e3 * c[f"{key}_sum"] / c[f"{key}_count"], 2) if c[f"{key}_count"] else None
+
+    n = c["xfer_count"] or 1
+    return {"transfers": int(c["xfer_count"]), "transfer_ms_mean": mean_ms("xfer"), "wire_ms_mean": mean_ms("wire"),
+            "report_delay_ms_mean": mean_ms("report"), "chunks_read_growing": int(c["growing"]),
+            "chunks_read_final": int(c["final"]), "p_cpu_s_per_request": round(c["p_cpu"] / n, 3),
+            "d_cpu_s_per_request": round(c["d_cpu"] / n, 3)}
 
 
 def summary(samples: list[dict[str, float]]) -> dict[str, Any]:
@@ -208,9 +218,9 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
             for length, inflight in cells:
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
                     prompts = [[rng.randrange(1, 500) for _ in range(length)] for _ in range(inflight)]
-                    before = d_counters(d, conf["histogram"])
+                    before = d_counters(p, d, conf["histogram"])
                     got = batch(p, d, prompts, mode, ident, args.max_tokens)
-                    after = d_counters(d, conf["histogram"])
+                    after = d_counters(p, d, conf["histogram"])
                     for k in D_COUNTERS:
                         counted[mode][k] += after[k] - before[k]
                     samples.setdefault(f"{mode} {length} x{inflight}", []).extend(got)
