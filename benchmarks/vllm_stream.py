@@ -216,7 +216,7 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
         cpu0 = (cpu_seconds(p), cpu_seconds(d))
         for r in range(rounds):
             for length, inflight in cells:
-                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                for mode in (modes if (r + name.endswith("again")) % 2 == 0 else modes[::-1]):  # each order as often
                     prompts = [[rng.randrange(1, 500) for _ in range(length)] for _ in range(inflight)]
                     before = d_counters(p, d, conf["histogram"])
                     got = batch(p, d, prompts, mode, ident, args.max_tokens)
