@@ -8,6 +8,8 @@ prompt (one output token, as routers ask of P) the lease is ordered in the very 
 completes the prompt, so it exists before the params are handed out; otherwise (or if the
 blocks changed meanwhile) in the next step. The params say lease_pending, so a D that
 claims before the lease is made waits for it.
+P, streamed (a router sent the request to D at once: streams.py): the lease is opened as the
+request arrives and committed chunk by chunk from each step's schedule.
 D: requests with kvsvc params report their prompt as loadable asynchronously; the
 blocks vLLM allocates for them go to the workers in the step's metadata. Until then (a
 request can wait in D's queue for a long time when its KV cache is full) their P leases
@@ -197,11 +199,10 @@ class KvsvcScheduler:
         self._blocks.pop(rid, None)
         self._prefix_tokens.pop(rid, None)
         order = self._streams.order_of(rid)
-        streamed = self._streams.finished(request, self._meta)
-        if streamed is not None:
-            if not streamed or order is None:
+        if order is not None:  # streamed: kept for its lease (made by the workers), or revoked
+            if not self._streams.finished(request, self._meta):
                 return False, None
-            self._meta.delayed.add(rid)  # its lease (made by the workers) holds the blocks
+            self._meta.delayed.add(rid)
             return True, self._stream_params(order, int(request.num_prompt_tokens))
         delay, params = self._finished(request, block_ids, early)
         if early is not None and rid not in self._meta.delayed_early:

@@ -102,14 +102,12 @@ class PrefillStreams:
         meta.commit[rid] = Commit(s.order.lease_id, s.order.token, s.epoch, new, done, s.final, self.lease_ttl_ms)
         s.sent = need
 
-    def finished(self, request: Any, meta: KvsvcConnectorMetadata) -> bool | None:
+    def finished(self, request: Any, meta: KvsvcConnectorMetadata) -> bool:
         """request_finished for a streamed request: True when vLLM must keep its blocks until
         the lease ends (its final chunk was ordered and it finished as asked); False when its
-        lease is revoked (or was); None when the request is not streamed."""
+        lease is revoked (or was)."""
         rid = request.request_id
-        s = self._streams.pop(rid, None)
-        if s is None:
-            return None
+        s = self._streams.pop(rid)
         if s.lost:
             return False
         if s.final and request.status.name in FINISHED_OK:
