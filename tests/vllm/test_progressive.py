@@ -3,8 +3,9 @@
 The router (--progressive) sends each request to P and D at once: P prefills it in chunks
 (64 tokens a step here) and commits each chunk's blocks to a lease named by the router; D
 reads each chunk while P computes the next. Answers equal the aggregated run (greedy token
-ids and logprobs); D holding a prefix reads only the tail; a client that goes away at any
-point leaves neither engine holding a block nor P a lease. Preemption and abort on P at
+ids and logprobs); D holding a prefix reads only the tail; a client that goes away (right
+after sending, at D's first token, mid-decode) leaves neither engine holding a block nor P a
+lease. Preemption and abort on P at
 each step are driven through the connector's own scheduler and workers in
 test_stream_workers.py (vLLM preempts only when its cache is full, at no point a test picks).
 """
