@@ -138,15 +138,9 @@ class Router:
         ident = self._identity.get(p_url) if self.progressive else None
         if ident is not None:
             return await self._streamed(request, body, headers, path, p_url, ident)
-        try:
-            async with self._session.post(p_url + path, json=prefill_body(body), headers=headers,
-                                          timeout=self._prefill_timeout) as p:
-                answer = await p.read()
-        except (TimeoutError, ClientError, OSError) as e:
-            log.warning("prefill engine %s failed for %s: %s", p_url, headers[REQUEST_ID_HEADER], e)
-            return engine_failed("prefill", p_url, *_why(e))
-        if p.status != 200:  # the engine's own error (vLLM's JSON), as it gave it
-            return web.Response(body=answer, status=p.status, content_type=p.content_type)
+        answer = await self._ask_prefill(p_url, path, prefill_body(body), headers)
+        if isinstance(answer, web.Response):
+            return answer
         try:
             params = json.loads(answer).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -160,9 +154,24 @@ class Router:
             d = await self._session.post(d_url + path, json=decode_body(body, params), headers=headers,
                                          timeout=self._decode_timeout)
         except (TimeoutError, ClientError, OSError) as e:
-            log.warning("decode engine %s failed for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
-            return engine_failed("decode", d_url, *_why(e))
+            return _decode_failed(d_url, headers, e)
         return await self._relay(request, d, d_url, headers)
+
+    async def _ask_prefill(self, p_url: str, path: str, p_body: dict[str, Any],
+                       headers: dict[str, str]) -> bytes | web.Response:
+        """P's answer (its body), or what the client gets when P failed: P's own error as it
+        gave it (vLLM's JSON), or a typed 502/504 when P could not be used."""
+        assert self._session is not None
+        try:
+            async with self._session.post(p_url + path, json=p_body, headers=headers,
+                                          timeout=self._prefill_timeout) as p:
+                answer = await p.read()
+        except (TimeoutError, ClientError, OSError) as e:
+            log.warning("prefill engine %s failed for %s: %s", p_url, headers[REQUEST_ID_HEADER], e)
+            return engine_failed("prefill", p_url, *_why(e))
+        if p.status != 200:
+            return web.Response(body=answer, status=p.status, content_type=p.content_type)
+        return answer
 
     def _learn(self, p_url: str, params: Any) -> None:
         """Keep what P's answer says of P's servers: a streamed request's D params name them."""
@@ -185,22 +194,15 @@ class Router:
             timeout=self._decode_timeout))
         handed_on = False
         try:
-            try:
-                async with self._session.post(p_url + path, json=p_body, headers=headers,
-                                              timeout=self._prefill_timeout) as p:
-                    answer = await p.read()
-            except (TimeoutError, ClientError, OSError) as e:
-                log.warning("prefill engine %s failed for %s: %s", p_url, headers[REQUEST_ID_HEADER], e)
-                return engine_failed("prefill", p_url, *_why(e))
-            if p.status != 200:
-                return web.Response(body=answer, status=p.status, content_type=p.content_type)
+            answer = await self._ask_prefill(p_url, path, p_body, headers)
+            if isinstance(answer, web.Response):
+                return answer
             with contextlib.suppress(ValueError, AttributeError):
                 self._learn(p_url, json.loads(answer).get("kv_transfer_params"))
             try:
                 d = await d_call
             except (TimeoutError, ClientError, OSError) as e:
-                log.warning("decode engine %s failed for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
-                return engine_failed("decode", d_url, *_why(e))
+                return _decode_failed(d_url, headers, e)
             handed_on = True
             return await self._relay(request, d, d_url, headers)
         finally:
@@ -260,6 +262,11 @@ class Router:
         on_p = set().union(*prefill)
         both = {mid: m for per in decode for mid, m in per.items() if mid in on_p}
         return web.json_response({"object": "list", "data": list(both.values())})
+
+
+def _decode_failed(d_url: str, headers: dict[str, str], e: BaseException) -> web.Response:
+    log.warning("decode engine %s failed for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
+    return engine_failed("decode", d_url, *_why(e))
 
 
 async def _close(call: asyncio.Future[Any]) -> None:
