@@ -15,7 +15,11 @@ RELIABILITY.md's table):
   up while its READs run), claim_lost (the answer to D's claim never comes back: P may have
   taken it), corrupt_landed (a byte of what landed is flipped: a torn or misdirected READ).
 - P's: lease_released (the lease is released while D reads: expiry, a router's abort),
-  block_rewritten (the engine writes into a leased block after the lease was made).
+  block_rewritten (the engine writes into a leased block after the lease was made),
+  stream_stalled (a progressive lease takes its first chunk and no later commit reaches D:
+  P's engine hung mid-prefill -- a wedged worker, a stuck device; the commits are answered
+  as made and dropped, so the engine goes on and a test can kill P while D waits on a
+  growing lease). A lease made whole ignores it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 
 ENV = "KVSVC_FAULTS"
 D_POINTS = frozenset({"read_error", "cancel_mid_read", "claim_lost", "corrupt_landed"})
-P_POINTS = frozenset({"lease_released", "block_rewritten"})
+P_POINTS = frozenset({"lease_released", "block_rewritten", "stream_stalled"})
 NONE = "-"
 MAX_CYCLE = 1024
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvsvc.codec import bad_field, block_ids_to_proto
 from kvsvc.config import Role
+from kvsvc.leases.records import Lease
 from kvsvc.leases.table import monotonic_to_unix_ms
 from kvsvc.limits import MAX_WAIT_MS, MIN_CLAIM_ID_BYTES, check_id, check_num_tokens, too_big
 from kvsvc.reasons import Reason
@@ -33,6 +34,9 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
         check_growing_blocks(node, groups)
     check_num_tokens(req.num_tokens, "num_tokens")
     lease = node.leases.get(req.request_id)
+    if lease is not None and lease.fault == "stream_stalled" and lease.token == req.lease_token \
+            and lease.commits is not None and lease.commits.epoch >= 2:
+        return _stalled(node, lease, req)
     if req.final and lease is not None:  # the whole lease must cover its tokens, as a lease made whole does
         check_blocks_cover(node, req.num_tokens, [[*held.tolist(), *more]
                                                   for held, more in zip(lease.block_ids, groups, strict=True)])
@@ -62,3 +66,14 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
     return pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,
                                  block_ids_per_group=block_ids_to_proto(blocks), num_tokens=lease.commits.num_tokens,
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+
+
+# ---- injected faults (service/faults.py: tests only) ---------------------------------------
+
+def _stalled(node: Node, lease: Lease, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
+    """stream_stalled: the lease keeps its first chunk; this later commit is answered as made
+    and dropped (each counted), as if P's engine had hung before computing it."""
+    assert node.faults is not None
+    node.faults.injected_now("stream_stalled")
+    return pb.CommitBlocksResponse(commit_epoch=req.commit_epoch,
+                                   lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))

@@ -277,6 +277,33 @@ async def test_a_server_with_content_digests_refuses_to_open_one():
         assert (await pc.get_info()).live_leases == 0
 
 
+async def test_the_stream_stalled_fault_keeps_the_first_chunk_and_drops_every_later_commit():
+    """The fault the vLLM test of a P killed mid-stream relies on (service/faults.py): the
+    engine's later commits are answered as made, D sees the lease stay at its first chunk, and
+    a lease made whole is not touched."""
+    p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=1, layout=LAYOUT,
+                     extra_env={"KVSVC_FAULTS": "stream_stalled"})
+    d = start_server(engine_id="e2e-decode", role="decode", tp_size=1, layout=LAYOUT)
+    try:
+        async with session(p, d) as s:
+            params = (await s.pc.publish_blocks_request(opening("stalled", [1]))).params
+            claim_id = secrets.token_hex(16)
+            await s.pc.claim_lease(claiming(params, claim_id))
+            assert (await s.pc.commit_blocks(committing(params, 2, [2], 8))).commit_epoch == 2
+            assert (await s.pc.commit_blocks(committing(params, 3, [3], 12))).commit_epoch == 3  # dropped
+            assert (await s.pc.commit_blocks(committing(params, 4, [4], 14, final=True))).commit_epoch == 4
+            now = await s.pc.wait_commit(waiting(params, claim_id, 1, 0))
+            assert (now.commit_epoch, now.final, ids(now)) == (2, False, [[2]])
+            assert (await s.pc.list_leases(request_ids=["stalled"])).leases[0].num_blocks == 2
+            s.pe.fill([[5]])
+            whole = await s.pc.publish_blocks("whole", [[5]])
+            await s.dc.transfer("d-whole", whole.params, [[9]])
+            assert not s.de.check([[9]])
+    finally:
+        d.stop()
+        p.stop()
+
+
 async def test_a_p_killed_mid_stream_fails_the_transfer_typed_and_d_holds_nothing():
     p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=1, layout=LAYOUT)
     d = start_server(engine_id="e2e-decode", role="decode", tp_size=1, layout=LAYOUT)

@@ -5,23 +5,31 @@ The router (--progressive) sends each request to P and D at once: P prefills it 
 reads each chunk while P computes the next. Answers equal the aggregated run (greedy token
 ids and logprobs); D holding a prefix reads only the tail; a client that goes away (right
 after sending, at D's first token, mid-decode) leaves neither engine holding a block nor P a
-lease. Preemption and abort on P at
-each step are driven through the connector's own scheduler and workers in
-test_stream_workers.py (vLLM preempts only when its cache is full, at no point a test picks).
+lease; a P killed mid-stream fails D's load typed and D recomputes the request exactly.
+Preemption and abort on P at each step are driven through the connector's own scheduler and
+workers in test_stream_workers.py (vLLM preempts only when its cache is full, at no point a
+test picks).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import re
+import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.vllm.engines import kvsvc, kvsvc_servers
+from kvsvc.client import Client
+from kvsvc.integrations.vllm import stream_params
+from kvsvc.v1 import kv_transfer_pb2 as pb
+from tests.vllm.engines import kernel_block_size, kvsvc, kvsvc_servers
 from tests.vllm.prompts import LONGER, PROMPTS
 from tests.vllm.releases import Releases
 from tests.vllm.served import Served, completion, router, tokens_and_logprobs, vllm_serve
@@ -32,12 +40,13 @@ CHUNK_TOKENS = 64  # P's prefill step: PROMPTS[10] (200 tokens) takes four
 
 
 @contextlib.contextmanager
-def pair(model: Path, logs: Path, p_tp: int = 1, d_tp: int = 1,
-         d_args: tuple[str, ...] = ()) -> Iterator[tuple[Served, Served, Served]]:
+def pair(model: Path, logs: Path, p_tp: int = 1, d_tp: int = 1, d_args: tuple[str, ...] = (),
+         p_env: dict[str, str] | None = None) -> Iterator[tuple[Served, Served, Served]]:
     """P (prefilling in chunks, without a prefix cache: a prompt sent twice is prefilled and
     streamed twice), D, and kvsvc's router with --progressive."""
     p = vllm_serve(f"stream-p-tp{p_tp}", model, logs, kvsvc("kv_producer", lease_ttl_s=40), tp=p_tp,
-                   extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--no-enable-prefix-caching"))
+                   extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--no-enable-prefix-caching"),
+                   env=p_env)
     d = vllm_serve(f"stream-d-tp{d_tp}", model, logs, kvsvc("kv_consumer"), tp=d_tp, extra_args=d_args)
     procs: list[Served] = [p, d]
     try:
@@ -156,6 +165,54 @@ def test_the_long_request_the_abort_test_sends_is_served_whole(streamed):
     _, _, r = streamed
     answer = r.post("/v1/completions", completion(PROMPTS[10], 300, ignore_eos=True))
     assert len(answer["choices"][0]["token_ids"]) == 300
+
+
+def _claimed_mid_stream(p_server: str, lease_id: str, timeout_s: float = 120) -> int:
+    """Until P's server lists lease_id claimed by D; its blocks then (P's first chunk)."""
+    deadline = time.monotonic() + timeout_s
+    with Client(p_server) as c:
+        while time.monotonic() < deadline:
+            leases = c.list_leases(request_ids=[lease_id]).leases
+            if leases and leases[0].state == pb.LEASE_STATE_CLAIMED:
+                return leases[0].num_blocks
+            time.sleep(0.05)
+    raise AssertionError(f"D never claimed {lease_id}")
+
+
+def test_a_p_killed_mid_stream_fails_the_load_typed_and_d_recomputes_exactly(engines, reference, tmp_path):
+    """P's kvsvc server takes the first chunk of each stream and drops its later commits
+    (KVSVC_FAULTS=stream_stalled: P hung mid-prefill), so D is held on a growing lease -- claimed,
+    one chunk read -- when P's whole engine is killed. D's load fails typed (P unreachable), D
+    recomputes the request (kv_load_failure_policy "recompute") token for token, holds no block,
+    and serves the next request exactly. Driven as the router drives a stream (P and D at once),
+    without the router, so that P's answer is in before P is killed."""
+    with pair(engines.model, tmp_path, p_env={"KVSVC_FAULTS": "stream_stalled"}) as (p, d, _):
+        warm = p.post("/v1/completions", {**completion(PROMPTS[5], 1),
+                                          "kv_transfer_params": {"do_remote_decode": True}})
+        ident = stream_params.identity(warm["kv_transfer_params"])
+        assert ident is not None
+        assert tokens_and_logprobs(d.post("/v1/completions", {**completion(PROMPTS[5], 8),
+                                                              "kv_transfer_params": warm["kv_transfer_params"]})) \
+            == reference["alone-5"][0]  # a whole lease: the fault leaves it alone
+        order = stream_params.new_stream()
+        failed_before = d.metrics().get("vllm:kvsvc_num_failed_transfers_total", 0.0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            on_d = pool.submit(d.post, "/v1/completions", {
+                **completion(PROMPTS[10], 8), "kv_transfer_params": stream_params.decode_stream_params(ident, order)})
+            p.post("/v1/completions", {**completion(PROMPTS[10], 1),
+                                       "kv_transfer_params": stream_params.prefill_stream_params(order)})
+            [p_server] = kvsvc_servers(p.log)
+            held = _claimed_mid_stream(p_server, order.lease_id)
+            assert 0 < held < -(-len(PROMPTS[10]) // kernel_block_size()), held  # one chunk of four
+            p.signal(signal.SIGKILL)
+            p.proc.wait(30)
+            answer = on_d.result(300)
+        assert tokens_and_logprobs(answer) == reference["alone-10"][0]
+        assert d.wait_metric("vllm:kvsvc_num_failed_transfers_total", failed_before + 1) == failed_before + 1
+        why = re.findall(r"kvsvc: transfer of \S+ failed: (\w+)", d.log.read_text(errors="replace"))
+        assert why == ["PEER_UNAVAILABLE"], (why, d.tail())
+        assert d.blocks_all_free(), ("D still holds blocks", d.tail())
+        assert tokens_and_logprobs(d.post("/v1/completions", completion(PROMPTS[9], 8))) == reference["alone-9"][0]
 
 
 @pytest.mark.full
