@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.vllm_pd import CONNECTORS, cpu_seconds, histogram, stream
 from kvsvc.integrations.vllm import stream_params
@@ -151,8 +153,34 @@ def batch(p: Served, d: Served, prompts: list[list[int]], mode: str, ident: dict
         return list(pool.map(lambda pr: one(p, d, pr, max_tokens, mode, ident), prompts))
 
 
-D_COUNTERS = ("xfer_sum", "xfer_count", "wire_sum", "wire_count", "report_sum", "report_count", "growing", "final",
-              "p_cpu", "d_cpu")
+# Bucket bounds (seconds) of the per-transfer histograms read for a p50: kvsvc's overhead above
+# the READs (pulled transfers) and vLLM's report delay; as the connector's histograms have them.
+OVERHEAD_LE = ("0.00025", "0.0005", "0.001", "0.0015", "0.002", "0.003", "0.005", "0.0075", "0.01", "0.025", "0.05",
+               "0.1", "+Inf")
+REPORT_LE = ("0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "+Inf")
+D_COUNTERS = ("xfer_sum", "xfer_count", "wire_sum", "wire_count", "report_sum", "report_count", "overhead_sum",
+              "overhead_count", "growing", "final", "p_cpu", "d_cpu", *(f"overhead_le_{b}" for b in OVERHEAD_LE),
+              *(f"report_le_{b}" for b in REPORT_LE))
+
+
+def buckets(s: Served, name: str) -> dict[str, float]:
+    """le -> cumulative count of a histogram in the engine's /metrics (summed over labels)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(requests.get(s.url + "/metrics", timeout=30).text):
+        for sample in fam.samples:
+            if sample.name == name + "_bucket":
+                le = sample.labels["le"]
+                out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def p50_at_most(c: dict[str, float], key: str, bounds: tuple[str, ...]) -> str | None:
+    """The smallest bucket bound (ms) that holds at least half of a histogram's samples."""
+    n = c[f"{key}_le_+Inf"]
+    for b in bounds:
+        if n and c[f"{key}_le_{b}"] >= n / 2:
+            return b if b == "+Inf" else f"{1e3 * float(b):g}"
+    return None
 
 
 def d_counters(p: Served, d: Served, xfer_histogram: str) -> dict[str, float]:
@@ -160,8 +188,12 @@ def d_counters(p: Served, d: Served, xfer_histogram: str) -> dict[str, float]:
     CPU seconds of P's and D's processes."""
     xfer, wire = histogram(d, xfer_histogram), histogram(d, "vllm:kvsvc_wire_time_seconds")
     report, m = histogram(d, "vllm:kvsvc_report_delay_seconds"), d.metrics()
+    overhead = histogram(d, "vllm:kvsvc_overhead_seconds")
+    over_le, report_le = buckets(d, "vllm:kvsvc_overhead_seconds"), buckets(d, "vllm:kvsvc_report_delay_seconds")
     return {"xfer_sum": xfer[0], "xfer_count": xfer[1], "wire_sum": wire[0], "wire_count": wire[1],
-            "report_sum": report[0], "report_count": report[1],
+            "report_sum": report[0], "report_count": report[1], "overhead_sum": overhead[0],
+            "overhead_count": overhead[1], **{f"overhead_le_{b}": over_le.get(b, 0.0) for b in OVERHEAD_LE},
+            **{f"report_le_{b}": report_le.get(b, 0.0) for b in REPORT_LE},
             "growing": m.get("vllm:kvsvc_streamed_chunks_growing_total", 0.0),
             "final": m.get("vllm:kvsvc_streamed_chunks_final_total", 0.0), "p_cpu": cpu_seconds(p),
             "d_cpu": cpu_seconds(d)}
@@ -176,7 +208,8 @@ def per_mode(c: dict[str, float]) -> dict[str, Any]:
 
     n = c["xfer_count"] or 1
     return {"transfers": int(c["xfer_count"]), "transfer_ms_mean": mean_ms("xfer"), "wire_ms_mean": mean_ms("wire"),
-            "report_delay_ms_mean": mean_ms("report"), "chunks_read_growing": int(c["growing"]),
+            "overhead_ms_mean": mean_ms("overhead"), "overhead_ms_p50_at_most": p50_at_most(c, "overhead", OVERHEAD_LE),
+            "report_delay_ms_mean": mean_ms("report"), "report_delay_ms_p50_at_most": p50_at_most(c, "report", REPORT_LE), "chunks_read_growing": int(c["growing"]),
             "chunks_read_final": int(c["final"]), "p_cpu_s_per_request": round(c["p_cpu"] / n, 3),
             "d_cpu_s_per_request": round(c["d_cpu"] / n, 3)}
 

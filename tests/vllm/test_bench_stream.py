@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.vllm_stream import summary, table
+from benchmarks.vllm_stream import OVERHEAD_LE, p50_at_most, summary, table
 from tests.hosts.harness import available
 
 
@@ -41,3 +41,10 @@ def test_a_short_run_measures_every_mode_across_two_hosts(tmp_path):
     assert got["kvsvc"]["per_mode"]["stream"]["chunks_read_growing"] + \
         got["kvsvc"]["per_mode"]["stream"]["chunks_read_final"] >= 1
     assert not any(got[r]["threads_off_cpu_after"][s] for r in ("kvsvc", "nixl") for s in ("p", "d"))
+
+
+def test_a_histograms_p50_is_read_off_the_first_bucket_holding_half():
+    c = {f"overhead_le_{b}": n for b, n in zip(OVERHEAD_LE, [0, 1, 3, 4, 6, 9, 10, 10, 10, 10, 10, 10, 10],
+                                              strict=True)}
+    assert p50_at_most(c, "overhead", OVERHEAD_LE) == "2"  # 6 of 10 at most 2 ms, 4 at most 1.5
+    assert p50_at_most(dict.fromkeys(c, 0.0), "overhead", OVERHEAD_LE) is None  # no samples

@@ -5,10 +5,11 @@ The router (--progressive) sends each request to P and D at once: P prefills it 
 reads each chunk while P computes the next. Answers equal the aggregated run (greedy token
 ids and logprobs); D holding a prefix reads only the tail; a client that goes away (right
 after sending, at D's first token, mid-decode) leaves neither engine holding a block nor P a
-lease; a P killed mid-stream fails D's load typed and D recomputes the request exactly.
-Preemption and abort on P at each step are driven through the connector's own scheduler and
-workers in test_stream_workers.py (vLLM preempts only when its cache is full, at no point a
-test picks).
+lease; a P killed mid-stream fails D's load typed and D recomputes the request exactly; a
+stream P preempts (its cache full) is revoked and D recomputes it exactly; a stream lost
+under the "fail" policy is retried pulled by the router. Preemption and abort on P at each
+step are also driven through the connector's own scheduler and workers in
+test_stream_workers.py.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import requests
 from kvsvc.client import Client
 from kvsvc.integrations.vllm import stream_params
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.vllm.engines import kernel_block_size, kvsvc, kvsvc_servers
-from tests.vllm.prompts import LONGER, PROMPTS
+from tests.vllm.compare import same
+from tests.vllm.engines import KVSVC, PATIENT, Engine, kernel_block_size, kvsvc, kvsvc_servers
+from tests.vllm.prompts import LONGER, PREEMPTED, PROMPTS
 from tests.vllm.releases import Releases
 from tests.vllm.served import Served, completion, router, tokens_and_logprobs, vllm_serve
 
@@ -41,13 +43,14 @@ CHUNK_TOKENS = 64  # P's prefill step: PROMPTS[10] (200 tokens) takes four
 
 @contextlib.contextmanager
 def pair(model: Path, logs: Path, p_tp: int = 1, d_tp: int = 1, d_args: tuple[str, ...] = (),
-         p_env: dict[str, str] | None = None) -> Iterator[tuple[Served, Served, Served]]:
+         p_env: dict[str, str] | None = None, d_conf: dict | None = None) -> Iterator[tuple[Served, Served, Served]]:
     """P (prefilling in chunks, without a prefix cache: a prompt sent twice is prefilled and
-    streamed twice), D, and kvsvc's router with --progressive."""
+    streamed twice), D (recomputing a failed load, unless d_conf says otherwise), and kvsvc's
+    router with --progressive."""
     p = vllm_serve(f"stream-p-tp{p_tp}", model, logs, kvsvc("kv_producer", lease_ttl_s=40), tp=p_tp,
                    extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--no-enable-prefix-caching"),
                    env=p_env)
-    d = vllm_serve(f"stream-d-tp{d_tp}", model, logs, kvsvc("kv_consumer"), tp=d_tp, extra_args=d_args)
+    d = vllm_serve(f"stream-d-tp{d_tp}", model, logs, d_conf or kvsvc("kv_consumer"), tp=d_tp, extra_args=d_args)
     procs: list[Served] = [p, d]
     try:
         p.wait_ready()
@@ -83,6 +86,7 @@ def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
     p, d, r = streamed
     releases = Releases(kvsvc_servers(p.log))
     try:
+        pulled = d.wait_metric("vllm:kvsvc_overhead_seconds_count", 1)  # the fixture's first request
         before = sum(chunks_read(d))
         routed = r.post("/v1/completions", completion(PROMPTS[10], 8))
         assert tokens_and_logprobs(routed) == reference["alone-10"][0]
@@ -99,6 +103,9 @@ def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
         growing, final = chunks_read(d)
         assert growing + final - before >= 2, (growing, final)
         print(f"D read {growing:.0f} chunks while P prefilled and {final:.0f} after")  # timing, not asserted
+        # kvsvc's overhead above the READs is counted for pulled transfers only (a stream's
+        # call also waits for P's prefill).
+        assert d.metrics()["vllm:kvsvc_overhead_seconds_count"] == pulled
         got = releases.wait([], timeout_s=5)
         streams = {rid: reasons for rid, reasons in got.items() if rid.startswith("kvsvc-stream-")}
         assert len(streams) >= 2 and all(v == ["RELEASE_REASON_CONSUMED"] for v in streams.values()), got
@@ -213,6 +220,71 @@ def test_a_p_killed_mid_stream_fails_the_load_typed_and_d_recomputes_exactly(eng
         assert why == ["PEER_UNAVAILABLE"], (why, d.tail())
         assert d.blocks_all_free(), ("D still holds blocks", d.tail())
         assert tokens_and_logprobs(d.post("/v1/completions", completion(PROMPTS[9], 8))) == reference["alone-9"][0]
+
+
+def test_a_stream_lost_under_the_fail_policy_is_retried_pulled_by_the_router(engines, reference, tmp_path):
+    """D fails a request whose load failed (vLLM's default kv_load_failure_policy, "fail"):
+    P's server gives up every second lease as D claims it (KVSVC_FAULTS, lease_released), so
+    the streamed request's lease is gone -- as when P preempted it or restarted -- and D
+    answers vLLM's retryable error. The router asks P again, pulled, and the client gets the
+    aggregated run's answer, streamed or whole; neither engine holds a block after."""
+    d_conf = dict(KVSVC, kv_role="kv_consumer", kv_connector_extra_config=dict(PATIENT))  # policy: vLLM's "fail"
+    with pair(engines.model, tmp_path, p_env={"KVSVC_FAULTS": "-,lease_released"}, d_conf=d_conf) as (p, d, r):
+        # Lease 1 (the router learns P: pulled), 2 (streamed: released at D's claim), 3 (the retry).
+        assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
+        assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8))) == reference["alone-10"][0]
+        # Leases 4 and 5, the client streaming: the failure was D's first event.
+        streamed_ids = []
+        answer = requests.post(r.url + "/v1/completions", json=completion(PROMPTS[9], 8, stream=True), stream=True,
+                               timeout=300)
+        for line in answer.iter_lines():
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                streamed_ids += event["choices"][0].get("token_ids") or []
+        assert streamed_ids == reference["alone-9"][0]["token_ids"]
+        assert d.wait_metric("vllm:kvsvc_num_failed_transfers_total", 2) == 2
+        assert r.tail().count("retrying it once") == 2, r.tail()
+        nothing_held(p, d)
+
+
+def test_a_stream_p_preempts_is_revoked_and_d_recomputes_it_exactly(engines, reference, tmp_path):
+    """P's cache holds 20 blocks of 32 tokens; two 400-token prompts (13 blocks each) prefill
+    side by side, 64 tokens each a step, so vLLM preempts one of them mid-prefill and hands its
+    blocks to the other. Its lease is revoked before that step's forward may overwrite them: D's
+    load of it fails and D recomputes it; the other streams whole. Both answers equal the
+    aggregated run of the pair; neither engine holds a block after, nor P a lease."""
+    assert kernel_block_size() == 32 and all(len(x) == 400 for x in PREEMPTED)  # 13 + 13 blocks > 20
+    p = Engine("preempt-p", engines.model, tmp_path, connector=kvsvc("kv_producer", lease_ttl_s=40), engine_args={
+        "num_gpu_blocks_override": 20, "max_num_batched_tokens": 128, "long_prefill_token_threshold": 64,
+        "enable_prefix_caching": False})
+    d = Engine("preempt-d", engines.model, tmp_path, connector=kvsvc("kv_consumer"))
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        [warm] = p.generate([PROMPTS[5]], 1, [{"do_remote_decode": True}])
+        ident = stream_params.identity(warm["kv_transfer_params"])
+        assert ident is not None
+        d.generate([PROMPTS[5]], 8, [warm["kv_transfer_params"]])
+        orders = [stream_params.new_stream() for _ in PREEMPTED]
+        releases = Releases(kvsvc_servers(p.log))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                on_d = pool.submit(d.generate, PREEMPTED, 8, [stream_params.decode_stream_params(ident, o)
+                                                              for o in orders])
+                p.generate(PREEMPTED, 1, [stream_params.prefill_stream_params(o) for o in orders])
+                got = on_d.result(600)
+            same(got, reference["preempted"], batched=True)
+            preempted = p.log.read_text(errors="replace").count("is not streamed any more (preempted on P)")
+            assert preempted >= 1, ("P preempted no stream", p.tail())
+            assert d.kvsvc_totals()["failed"] == preempted  # each preempted stream's load, recomputed
+            assert p.blocks_free() and d.blocks_free()
+            assert releases.live_leases() == 0
+        finally:
+            releases.close()
+    finally:
+        d.stop()
+        p.stop()
 
 
 @pytest.mark.full

@@ -14,6 +14,9 @@ from aiohttp.test_utils import TestServer
 from kvsvc.integrations.vllm.router import make_app
 
 PARAMS = {"do_remote_prefill": True, "remote_request_id": "p-1"}
+# vLLM's answer to a request that finished with an error (a KV load that failed under
+# kv_load_failure_policy "fail"), as its OpenAI server words it.
+VLLM_500 = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
 
 
 class StandIn:
@@ -33,6 +36,10 @@ class StandIn:
         self.arrived = asyncio.Event()  # a request came
         self.answer_after: asyncio.Event | None = None  # P answers only once this is set
         self.cut = asyncio.Event()  # D: the router closed D's answer before its end
+        # D: how its next answers fail, one entry per request: "status" (HTTP 500, as vLLM
+        # answers a request whose KV load failed), "event" (a stream whose first event is that
+        # error), "late" (the error after a first token).
+        self.failures: list[str] = []
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_get("/v1/models", self.list_models)
@@ -54,8 +61,17 @@ class StandIn:
             if self.status != 200:
                 return web.json_response({"error": {"message": "bad prompt"}}, status=self.status)
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": self.params})
+        failure = self.failures.pop(0) if self.failures else ""
+        if failure == "status":
+            return web.json_response({"error": VLLM_500}, status=500)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        if failure:
+            if failure == "late":
+                await out.write(b"data: 0\n\n")
+            await out.write(b"data: " + json.dumps({"error": VLLM_500}).encode() + b"\n\ndata: [DONE]\n\n")
+            await out.write_eof()
+            return out
         try:
             for i in range(self.chunks):
                 await asyncio.sleep(self.pause_s)
@@ -248,5 +264,53 @@ async def test_progressive_p_that_fails_is_the_answer_and_ds_request_is_closed(f
                     assert r.status == 502 and body["error"]["type"] == "ENGINE_UNREACHABLE"
         if fails == "answers an error":
             await asyncio.wait_for(d.cut.wait(), 10)  # D's request was closed (vLLM aborts it)
+    finally:
+        await _close(router, p.server, d.server)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("failure", ["status", "event"])
+async def test_a_decode_failing_before_its_first_token_is_retried_once_pulled(failure, progressive):
+    """D fails the request as vLLM fails a KV load (HTTP 500, or a stream whose first event is
+    that error): the router asks P again -- pulled, never streamed -- and relays D's second
+    answer; nothing of the first reached the client."""
+    p, d = StandIn("p", ["m"]), StandIn("d", ["m"], chunks=2)
+    p.params = KVSVC_PARAMS
+    router = await _routed([p], [d], timeout_s=5.0, progressive=progressive)
+    try:
+        async with ClientSession() as s:
+            url = str(router.make_url("/v1/completions"))
+            async with s.post(url, json={"prompt": "learn"}) as r:
+                await r.read()  # P is known now (progressive: the next request is streamed)
+            d.failures = [failure]
+            async with s.post(url, json={"prompt": "two", "stream": failure == "event"}) as r:
+                assert r.status == 200 and await r.text() == "data: 0\n\ndata: 1\n\n"
+        assert [body["prompt"] for _, body in p.seen] == ["learn", "two", "two"]
+        assert ("kvsvc_stream" in p.seen[1][1]["kv_transfer_params"]) == progressive
+        assert p.seen[2][1]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert d.seen[2][1]["kv_transfer_params"] == KVSVC_PARAMS  # P's answer, as given: pulled
+    finally:
+        await _close(router, p.server, d.server)
+
+
+@pytest.mark.parametrize("failures", [["status", "status"], ["event", "event"], ["late"]])
+async def test_a_decode_failing_again_or_after_a_token_is_the_answer(failures):
+    """A second failure is relayed as D gave it (one retry, no more); a failure after the first
+    token is D's answer as it stands (the client has tokens: never retried)."""
+    p, d = StandIn("p", ["m"]), StandIn("d", ["m"], chunks=2)
+    router = await _routed([p], [d], timeout_s=5.0)
+    d.failures = list(failures)
+    try:
+        async with ClientSession() as s:
+            async with s.post(str(router.make_url("/v1/completions")),
+                              json={"prompt": "x", "stream": failures[0] != "status"}) as r:
+                text = await r.text()
+        error = json.dumps({"error": VLLM_500})
+        if failures[0] == "status":
+            assert r.status == 500 and json.loads(text) == {"error": VLLM_500}
+        else:
+            first = "data: 0\n\n" if failures == ["late"] else ""
+            assert r.status == 200 and text == f"{first}data: {error}\n\ndata: [DONE]\n\n"
+        assert len(p.seen) == len(d.seen) == len(failures)
     finally:
         await _close(router, p.server, d.server)

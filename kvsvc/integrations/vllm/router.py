@@ -14,6 +14,12 @@ OpenAI's error shape, with "type" ENGINE_UNREACHABLE, ENGINE_TIMEOUT or ENGINE_B
 and the engine's URL and role. A client that goes away while D works closes D's request,
 which vLLM aborts (and kvsvc then gives P's blocks back).
 
+A decode that fails before its first token with vLLM's retryable error (HTTP 500, or a
+stream whose first event is that error: vLLM's answer when a KV load failed under
+kv_load_failure_policy "fail" -- P's lease expired, P restarted, a stream P gave up) is
+retried once, pulled: P (the next one) prefills the request again and D reads it after P's
+answer. Nothing has reached the client by then; a second failure is the answer.
+
 Time limits: P's call is bounded (--timeout-s: one token); D's answer is not, as a long
 generation may stream for as long as it needs -- only connecting to D is bounded.
 /health answers 200 while at least one prefill and one decode engine answer their own
@@ -53,6 +59,7 @@ MAX_REQUEST_ID_CHARS = 256
 CONNECT_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 5.0
 KEEPALIVE_S = 2.0
+MAX_FIRST_EVENT_BYTES = 1 << 20  # what is read of D's stream to tell a failure from a first token
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +144,29 @@ class Router:
         p_url = next(self._prefill)
         ident = self._identity.get(p_url) if self.progressive else None
         if ident is not None:
-            return await self._streamed(request, body, headers, path, p_url, ident)
+            got = await self._streamed(body, headers, path, p_url, ident)
+        else:
+            got = await self._pulled(body, headers, path, p_url)
+        if isinstance(got, web.Response):
+            return got
+        d, d_url = got
+        first = await _first_answer(d)
+        if first is None:  # vLLM's retryable failure, before any token: once more, pulled
+            log.warning("decode engine %s failed %s before its first token (its KV load, under vLLM's "
+                        "kv_load_failure_policy \"fail\"): retrying it once, prefilled again", d_url,
+                        headers[REQUEST_ID_HEADER])
+            got = await self._pulled(body, headers, path, next(self._prefill))
+            if isinstance(got, web.Response):
+                return got
+            d, d_url = got
+            first = await _first_answer(d, last_try=True)
+        return await self._relay(request, d, d_url, headers, first or b"")
+
+    async def _pulled(self, body: dict[str, Any], headers: dict[str, str], path: str,
+                      p_url: str) -> tuple[Any, str] | web.Response:
+        """P prefills the request and leases its KV; then D gets it with P's params. D's
+        answer (not read yet) and its URL, or what the client gets when P or D failed."""
+        assert self._session is not None
         answer = await self._ask_prefill(p_url, path, prefill_body(body), headers)
         if isinstance(answer, web.Response):
             return answer
@@ -155,7 +184,7 @@ class Router:
                                          timeout=self._decode_timeout)
         except (TimeoutError, ClientError, OSError) as e:
             return _decode_failed(d_url, headers, e)
-        return await self._relay(request, d, d_url, headers)
+        return d, d_url
 
     async def _ask_prefill(self, p_url: str, path: str, p_body: dict[str, Any],
                        headers: dict[str, str]) -> bytes | web.Response:
@@ -179,8 +208,8 @@ class Router:
         if ident is not None:
             self._identity[p_url] = ident
 
-    async def _streamed(self, request: web.Request, body: dict[str, Any], headers: dict[str, str], path: str,
-                        p_url: str, ident: dict[str, Any]) -> web.StreamResponse:
+    async def _streamed(self, body: dict[str, Any], headers: dict[str, str], path: str, p_url: str,
+                        ident: dict[str, Any]) -> tuple[Any, str] | web.Response:
         """P and D at once: P leases the request under a lease id and token minted here and
         commits it chunk by chunk; D's params name that lease, and D reads each chunk while P
         computes the next. P's error (or P not answering) is the answer, and D's request is
@@ -204,19 +233,23 @@ class Router:
             except (TimeoutError, ClientError, OSError) as e:
                 return _decode_failed(d_url, headers, e)
             handed_on = True
-            return await self._relay(request, d, d_url, headers)
+            return d, d_url
         finally:
             if not handed_on:
                 await _close(d_call)
 
-    async def _relay(self, request: web.Request, d: Any, d_url: str, headers: dict[str, str]) -> web.StreamResponse:
-        """D's answer, as D gives it (streamed or not), to the client."""
+    async def _relay(self, request: web.Request, d: Any, d_url: str, headers: dict[str, str],
+                     first: bytes) -> web.StreamResponse:
+        """D's answer, as D gives it (streamed or not), to the client: what was read of it
+        already (first), then the rest."""
         async with d:
             out = web.StreamResponse(status=d.status, headers={
                 "Content-Type": d.headers.get("Content-Type", "application/json"),
                 REQUEST_ID_HEADER: headers[REQUEST_ID_HEADER]})
             await out.prepare(request)
             try:
+                if first:
+                    await out.write(first)
                 async for chunk in d.content.iter_any():
                     await out.write(chunk)
             except (TimeoutError, ClientError, OSError) as e:  # the status is sent: end the answer short
@@ -262,6 +295,44 @@ class Router:
         on_p = set().union(*prefill)
         both = {mid: m for per in decode for mid, m in per.items() if mid in on_p}
         return web.json_response({"object": "list", "data": list(both.values())})
+
+
+async def _first_answer(d: Any, last_try: bool = False) -> bytes | None:
+    """What D answered up to its first token: its whole answer when not streamed, else its
+    stream up to the end of the first event. None (D's answer closed) when that is vLLM's
+    retryable failure -- HTTP 500, or a first event that is an error of code 500 -- and this
+    is not the last try. A D that breaks off here leaves what was read (the relay ends it); a
+    client that goes away meanwhile closes D's answer (vLLM then aborts the request)."""
+    try:
+        if d.headers.get("Content-Type", "").startswith("text/event-stream"):
+            got = b""
+            while b"\n\n" not in got and len(got) < MAX_FIRST_EVENT_BYTES:
+                line = await d.content.readline()
+                if not line:
+                    break
+                got += line
+            failed = d.status == 200 and _is_retryable(got.removeprefix(b"data: "))
+        else:
+            got = await d.content.read(MAX_FIRST_EVENT_BYTES) if d.status == 500 else b""
+            failed = d.status == 500
+    except (TimeoutError, ClientError, OSError):
+        return b""
+    except BaseException:
+        d.close()
+        raise
+    if failed and not last_try:
+        d.close()
+        return None
+    return got
+
+
+def _is_retryable(event: bytes) -> bool:
+    """Whether a stream's first event is vLLM's error of code 500 (a KV load that failed)."""
+    try:
+        error = json.loads(event).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == 500
 
 
 def _decode_failed(d_url: str, headers: dict[str, str], e: BaseException) -> web.Response:

@@ -10,6 +10,7 @@ names sit next to vLLM's vllm:nixl_* ones and mean the same where both have them
     vllm:kvsvc_bytes_transferred         D: bytes one Transfer read
     vllm:kvsvc_num_descriptors           D: descriptors one Transfer posted
     vllm:kvsvc_report_delay_seconds      D: a load ended -> vLLM heard of it (its next step's poll)
+    vllm:kvsvc_overhead_seconds          D: a pulled Transfer's time above its READs (kvsvc's share)
     vllm:kvsvc_num_failed_transfers      D: Transfers that failed (the load is reported failed)
     vllm:kvsvc_num_cancelled_transfers   D: Transfers cancelled (the request was aborted)
     vllm:kvsvc_num_kv_consumed_reqs      P: leases a decode engine read and released
@@ -34,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
-SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors", "report_delay_seconds")
+SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors", "report_delay_seconds", "overhead_seconds")
 COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed", "chunks_growing", "chunks_final")
 RELEASES_COUNTED = frozenset({"consumed", "aborted", "expired"})  # how a lease ended (LeaseState values)
 
@@ -56,6 +57,9 @@ class KvsvcConnectorStats(KVConnectorStats):
     def record_transfer(self, *, xfer_s: float, wire_s: float, nbytes: int, descriptors: int) -> None:
         for key, value in zip(SERIES[:4], (xfer_s, wire_s, nbytes, descriptors), strict=True):
             self.data[key].append(value)
+
+    def record_overhead(self, seconds: float) -> None:
+        self.data["overhead_seconds"].append(seconds)
 
     def record_report_delay(self, seconds: float) -> None:
         self.data["report_delay_seconds"].append(seconds)
@@ -95,6 +99,9 @@ class KvsvcConnectorStats(KVConnectorStats):
         delays = self.data["report_delay_seconds"]
         if delays:
             out["Avg report delay (ms)"] = round(1e3 * sum(delays) / len(delays), 3)
+        overhead = self.data["overhead_seconds"]
+        if overhead:
+            out["Avg kvsvc overhead (ms)"] = round(1e3 * sum(overhead) / len(overhead), 3)
         out |= {"Num failed transfers": self.data["failed"], "Num cancelled transfers": self.data["cancelled"],
                 "Num KV consumed reqs": self.data["consumed"], "Num KV aborted reqs": self.data["aborted"],
                 "Num KV expired reqs": self.data["expired"], "Num failed leases": self.data["lease_failed"]}
@@ -122,6 +129,11 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
             "report_delay_seconds": self._histogram(
                 "vllm:kvsvc_report_delay_seconds", "From a decode worker's load ending to vLLM hearing of it (vLLM "
                 "asks once per engine step): the engine's share of the handover.", seconds),
+            "overhead_seconds": self._histogram(
+                "vllm:kvsvc_overhead_seconds", "A pulled kvsvc Transfer's time above its NIXL reads (call to answer "
+                "minus the slowest rank's reads: claim, plan, confirm): kvsvc's share of the handover. Streamed "
+                "transfers, whose call waits for the prefill, are not counted.",
+                [0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1]),
         }
         self._counts = {
             "failed": self._counter("vllm:kvsvc_num_failed_transfers",

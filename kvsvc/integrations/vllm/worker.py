@@ -44,6 +44,7 @@ from kvsvc.integrations.vllm.metadata import (
     ServerInfo,
 )
 from kvsvc.integrations.vllm.stats import RELEASES_COUNTED, KvsvcConnectorStats
+from kvsvc.integrations.vllm.stream_params import is_streamed
 from kvsvc.leases.table import LeaseState
 from kvsvc.service.in_process import InProcessLeases
 from kvsvc.service.server import RunningServer
@@ -423,9 +424,11 @@ class KvsvcWorker:
                 self._totals["bytes"] += resp.total_bytes
                 self._stats.count("chunks_growing", resp.chunks_read_growing)
                 self._stats.count("chunks_final", resp.chunks_read_final)
-                self._stats.record_transfer(xfer_s=resp.duration_us / 1e6,
-                                            wire_s=max((r.duration_us for r in resp.ranks), default=0) / 1e6,
+                wire_us = max((r.duration_us for r in resp.ranks), default=0)
+                self._stats.record_transfer(xfer_s=resp.duration_us / 1e6, wire_s=wire_us / 1e6,
                                             nbytes=resp.total_bytes, descriptors=sum(r.num_descriptors for r in resp.ranks))
+                if not is_streamed(recv.params):  # a stream's call also waits for P's prefill
+                    self._stats.record_overhead(max(0, resp.duration_us - wire_us) / 1e6)
                 log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
             if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
                 self._recv_done.add(req_id)
