@@ -35,7 +35,7 @@ SGLANG_PIN := $(SGLANG_VENV)/torch-pin.txt
 # etcd (Debian's etcd-server) for the discovery tests; where it cannot be installed they skip.
 ETCD_NOTE := etcd not installed: the discovery tests will be skipped
 
-.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-progressive bench-vllm-stream bench-vllm bench-sglang clean node
+.PHONY: soak test-chaos-engines test-repeat test-sglang-smoke etcd rdma-libs prometheus sglang-venv test-sglang venv vllm-venv demo test test-core test-full test-vllm lint proto proto-check proto-baseline bench bench-layouts bench-hosts bench-progressive bench-vllm-stream bench-vllm bench-sglang bench-sglang-placed clean node
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -204,6 +204,10 @@ bench-vllm: $(VLLM_STAMP)
 # SGLang with the kvsvc backend vs its own NIXL backend, same pair (about 6 minutes here).
 bench-sglang: $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python -m benchmarks.sglang_pd --json benchmarks/sglang.json
+
+# SGLang's backends across two simulated hosts, placed alike: kvsvc pulled, kvsvc streamed, NIXL.
+bench-sglang-placed: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m benchmarks.sglang_placed --json benchmarks/sglang-placed.json
 
 proto: $(STAMP)
 	$(BIN)/python -m kvsvc.protogen

@@ -31,6 +31,7 @@ from typing import Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.sglang_placed import first_token
 from tests.sglang.served import generate, kvsvc_servers, metric, sglang_router, sglang_server
 from tests.sglang.test_sglang_cpu import write_model
 from tests.vllm.served import Served
@@ -54,19 +55,7 @@ def streamed(router: Served, ids: list[int], max_tokens: int) -> tuple[float, li
     """(seconds to the first streamed token, token ids) of one request through the router."""
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
-    t0, first, out = time.perf_counter(), None, []
-    with requests.post(router.url + "/generate", json=body, stream=True, timeout=600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if line.startswith(b"data: {"):
-                got = json.loads(line[6:]).get("output_ids") or []
-                if got and first is None:
-                    first = time.perf_counter() - t0
-                out = got
-    if first is None:
-        raise RuntimeError("no token streamed")
-    return first, out
+    return first_token(router.url, body, time.perf_counter())
 
 
 def one(router: Served, ids: list[int], max_tokens: int) -> bool:

@@ -119,6 +119,16 @@ def off_cpu(s: Served, cpu: int) -> list[str]:
     return out
 
 
+def cannot_place() -> str:
+    """Why P and D cannot be placed on two simulated hosts and two CPUs here ("": they can)."""
+    why_not = available()
+    if why_not is not None:
+        return f"cannot simulate hosts here: {why_not}"
+    if len(os.sched_getaffinity(0)) < 2:
+        return "needs two CPUs (P on one, D on the other)"
+    return ""
+
+
 def reset(*engines: Served) -> None:
     for e in engines:
         if not e.blocks_all_free(120):
@@ -304,12 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, help="keep the engines' logs here (default: a temporary directory)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    why_not = available()
-    if why_not is not None:
-        print(f"cannot simulate hosts here: {why_not}", file=sys.stderr)
-        return 2
-    if len(os.sched_getaffinity(0)) < 2:
-        print("needs two CPUs (P on one, D on the other)", file=sys.stderr)
+    why_not = cannot_place()
+    if why_not:
+        print(why_not, file=sys.stderr)
         return 2
     cells = [(int(c.split("x")[0]), int(c.split("x")[1])) for c in args.cells] or [
         (n, k) for n in args.lengths for k in args.inflight if n * k <= MAX_BATCH_TOKENS]
