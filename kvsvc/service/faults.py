@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 ENV = "KVSVC_FAULTS"
 D_POINTS = frozenset({"read_error", "cancel_mid_read", "claim_lost", "corrupt_landed"})
 P_POINTS = frozenset({"lease_released", "block_rewritten", "stream_stalled"})
+STREAM_POINTS = frozenset({"stream_stalled"})  # points only a progressive lease meets
 NONE = "-"
 MAX_CYCLE = 1024
 
