@@ -4,6 +4,7 @@ commits, and D's waits for the next one. The state and its rules are the lease t
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -34,8 +35,8 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
         check_growing_blocks(node, groups)
     check_num_tokens(req.num_tokens, "num_tokens")
     lease = node.leases.get(req.request_id)
-    if lease is not None and lease.fault == "stream_stalled" and lease.token == req.lease_token \
-            and lease.commits is not None and lease.commits.epoch >= 2:
+    if lease is not None and lease.fault == "stream_stalled" and lease.commits is not None \
+            and lease.commits.epoch >= 2 and secrets.compare_digest(lease.token, req.lease_token):
         return _stalled(node, lease, req)
     if req.final and lease is not None:  # the whole lease must cover its tokens, as a lease made whole does
         check_blocks_cover(node, req.num_tokens, [[*held.tolist(), *more]
