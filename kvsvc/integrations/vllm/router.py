@@ -246,14 +246,15 @@ class Router:
             out = web.StreamResponse(status=d.status, headers={
                 "Content-Type": d.headers.get("Content-Type", "application/json"),
                 REQUEST_ID_HEADER: headers[REQUEST_ID_HEADER]})
-            await out.prepare(request)
             try:
+                await out.prepare(request)  # the client may have gone while D worked: it fails here
                 if first:
                     await out.write(first)
                 async for chunk in d.content.iter_any():
                     await out.write(chunk)
-            except (TimeoutError, ClientError, OSError) as e:  # the status is sent: end the answer short
-                log.warning("decode engine %s failed mid-answer for %s: %s", d_url, headers[REQUEST_ID_HEADER], e)
+            except (TimeoutError, ClientError, OSError) as e:  # end the answer short (D's is closed below)
+                log.warning("the answer to %s ended short: the client or the decode engine %s went away (%s)",
+                            headers[REQUEST_ID_HEADER], d_url, e)
                 return out
             await out.write_eof()
             return out
