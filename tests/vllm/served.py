@@ -165,6 +165,16 @@ def completion(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, An
             **extra}
 
 
+def streamed_events(url: str, body: dict[str, Any], timeout_s: float = 300) -> list[dict[str, Any]]:
+    """The data events (JSON objects) of a streamed POST /v1/completions, in order."""
+    answer = requests.post(url + "/v1/completions", json=body, stream=True, timeout=timeout_s)
+    return [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith(b"data: {")]
+
+
+def streamed_token_ids(events: list[dict[str, Any]]) -> list[int]:
+    return [t for e in events for t in e["choices"][0].get("token_ids") or []]
+
+
 def tokens_and_logprobs(answer: dict[str, Any]) -> dict[str, Any]:
     choice = answer["choices"][0]
     return {"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
 from kvsvc.client import Client
 from kvsvc.integrations.vllm import stream_params
@@ -34,7 +33,15 @@ from tests.vllm.compare import same
 from tests.vllm.engines import KVSVC, PATIENT, Engine, kernel_block_size, kvsvc, kvsvc_servers
 from tests.vllm.prompts import LONGER, PREEMPTED, PROMPTS
 from tests.vllm.releases import Releases
-from tests.vllm.served import Served, completion, router, tokens_and_logprobs, vllm_serve
+from tests.vllm.served import (
+    Served,
+    completion,
+    router,
+    streamed_events,
+    streamed_token_ids,
+    tokens_and_logprobs,
+    vllm_serve,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -90,12 +97,7 @@ def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
         before = sum(chunks_read(d))
         routed = r.post("/v1/completions", completion(PROMPTS[10], 8))
         assert tokens_and_logprobs(routed) == reference["alone-10"][0]
-        streamed_ids = []
-        answer = requests.post(r.url + "/v1/completions", json=completion(PROMPTS[9], 8, stream=True), stream=True,
-                               timeout=300)
-        for line in answer.iter_lines():
-            if line.startswith(b"data: {"):
-                streamed_ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        streamed_ids = streamed_token_ids(streamed_events(r.url, completion(PROMPTS[9], 8, stream=True)))
         assert streamed_ids == reference["alone-9"][0]["token_ids"]
         # Both were streamed: D read them as committed chunks (not as a whole lease), and
         # each stream lease was consumed on P.
@@ -249,15 +251,9 @@ def test_a_stream_lost_under_the_fail_policy_is_retried_pulled_by_the_router(eng
         assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[5], 8))) == reference["alone-5"][0]
         assert tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[10], 8))) == reference["alone-10"][0]
         # Leases 4 and 5, the client streaming: the failure was D's first event.
-        streamed_ids = []
-        answer = requests.post(r.url + "/v1/completions", json=completion(PROMPTS[9], 8, stream=True), stream=True,
-                               timeout=300)
-        for line in answer.iter_lines():
-            if line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                streamed_ids += event["choices"][0].get("token_ids") or []
-        assert streamed_ids == reference["alone-9"][0]["token_ids"]
+        events = streamed_events(r.url, completion(PROMPTS[9], 8, stream=True))
+        assert not [e for e in events if "error" in e], events
+        assert streamed_token_ids(events) == reference["alone-9"][0]["token_ids"]
         assert d.wait_metric("vllm:kvsvc_num_failed_transfers_total", 2) == 2
         assert r.tail().count("retrying it once") == 2, r.tail()
         nothing_held(p, d)

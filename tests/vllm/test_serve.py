@@ -9,7 +9,6 @@ no block (POST /reset_prefix_cache succeeds only then), and D keeps serving.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
@@ -19,7 +18,15 @@ import requests
 from tests.vllm.engines import kvsvc
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.releases import Releases, p_servers
-from tests.vllm.served import Served, completion, router, tokens_and_logprobs, vllm_serve
+from tests.vllm.served import (
+    Served,
+    completion,
+    router,
+    streamed_events,
+    streamed_token_ids,
+    tokens_and_logprobs,
+    vllm_serve,
+)
 from tests.vllm.test_connector import CONSUMED
 
 pytestmark = pytest.mark.timeout(1200)
@@ -71,12 +78,7 @@ def test_pd_over_http_and_the_router_equal_the_aggregated_run(served, reference)
         # ... and through the router, whole and streamed.
         routed = r.post("/v1/completions", completion(PROMPTS[9], 8))
         assert tokens_and_logprobs(routed) == reference["alone-9"][0]
-        streamed = requests.post(r.url + "/v1/completions", json=completion(PROMPTS[9], 8, stream=True), stream=True,
-                                 timeout=300)
-        ids = []
-        for line in streamed.iter_lines():
-            if line.startswith(b"data: {"):
-                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        ids = streamed_token_ids(streamed_events(r.url, completion(PROMPTS[9], 8, stream=True)))
         assert ids == reference["alone-9"][0]["token_ids"]
         # Three leases, each read by D: every one released CONSUMED, none left.
         got = releases.wait([kv["remote_request_id"]])
