@@ -93,18 +93,30 @@ class ProgressiveBlocks:
             _pair_or_refuse(g, have, blocks.size, blocks.size, 1)
             return have, blocks.size
         ratio = self.ratio
+        full = whole_blocks(shape, blocks.size, num_tokens=num_tokens, block_size=self.remote_block_size, final=final)
         if final:
-            held = blocks.size
-            if shape.covers_tokens:
-                held = min(held, -(-num_tokens // self.remote_block_size))
-            needed = max(0, -(-(held - cursor.skip) // ratio))
-            _pair_or_refuse(g, have, needed, held - cursor.skip, ratio)
-            return have, max(cursor.skip, held)
-        full = min(blocks.size, num_tokens // self.remote_block_size) if shape.covers_tokens else blocks.size
+            needed = max(0, -(-(full - cursor.skip) // ratio))
+            _pair_or_refuse(g, have, needed, full - cursor.skip, ratio)
+            return have, max(cursor.skip, full)
         if full - cursor.skip > have * ratio:
             _pair_or_refuse(g, have, -(-(full - cursor.skip) // ratio), full - cursor.skip, ratio)
         ready = min(have, max(0, (full - cursor.skip) // ratio))
         return max(ready, cursor.read), cursor.skip + max(ready, cursor.read) * ratio
+
+
+def whole_blocks(shape: GroupShape, committed: int, *, num_tokens: int, block_size: int, final: bool) -> int:
+    """How many of a growing lease's committed blocks of one group (from its start) hold what
+    they will hold for good: those whole tokens fill (a block covering tokens), every one
+    (a block that does not), an SSM state only once final; at the final commit every block
+    the request's tokens reach. D reads these (ProgressiveBlocks); P takes their content
+    digests (service/content.py)."""
+    if shape.whole_state:
+        return committed if final else 0
+    if not shape.covers_tokens:
+        return committed
+    if final:
+        return min(committed, -(-num_tokens // block_size))
+    return min(committed, num_tokens // block_size)
 
 
 def _pair_or_refuse(group: int, have: int, needed: int, remote_blocks: int, ratio: int) -> None:

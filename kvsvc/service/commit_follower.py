@@ -6,7 +6,8 @@ the request and is committed to by its own worker; the block ids are the engine'
 same on every rank. What D may read is what every server committed: per group, the
 prefix of their lists they all hold, checked equal (two servers naming other blocks for
 the same request is PARAMS_INCONSISTENT, never a guess). The lease is final when every
-server's is.
+server's is. With content digests, each answer brings the digests of the blocks its
+commits made whole, per P rank, kept here for the check of what landed (content.py).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ class _LegCommits:
     final: bool = False
     num_tokens: int = 0
     blocks: list[np.ndarray] = field(default_factory=list)
+    digests: dict[int, list[list[int]]] = field(default_factory=dict)  # per P rank, per group, from position 0
 
 
 class CommitFollower:
-    """What the P servers of one transfer committed, followed with WaitCommit."""
+    """What the P servers of one transfer committed, followed with WaitCommit (want_content:
+    with the digests of the blocks made whole)."""
 
-    def __init__(self, legs: Sequence[Leg], own: Ownership, num_groups: int) -> None:
-        self.legs, self.own = list(legs), own
+    def __init__(self, legs: Sequence[Leg], own: Ownership, num_groups: int, *, want_content: bool = False) -> None:
+        self.legs, self.own, self.want_content = list(legs), own, want_content
         self._of = {id(leg): _LegCommits(blocks=[np.empty(0, np.int64)] * num_groups) for leg in legs}
 
     @property
@@ -102,7 +105,8 @@ class CommitFollower:
         p = self.own.params
         req = pb.WaitCommitRequest(request_id=p.remote_request_id, lease_epoch=leg.peer.epoch,
                                    engine_id=self.own.engine_id, claim_id=self.own.claim_id,
-                                   after_epoch=self._of[id(leg)].epoch, wait_ms=int(wait_s * 1000))
+                                   after_epoch=self._of[id(leg)].epoch, wait_ms=int(wait_s * 1000),
+                                   want_content=self.want_content)
         return await leg.peer.client.wait_commit(req, timeout_s=wait_s + COMMIT_WAIT_MARGIN_S)
 
     def _take(self, leg: Leg, resp: pb.WaitCommitResponse) -> None:
@@ -117,8 +121,37 @@ class CommitFollower:
                                       f"the layout has {len(c.blocks)}", {"address": leg.peer.address})
             c.blocks = [np.concatenate((held, np.asarray(ids, np.int64))) for held, ids in zip(c.blocks, more,
                                                                                                strict=True)]
+        if resp.commit_epoch > c.epoch:
+            self._take_digests(leg, c, resp.content)
         c.epoch, c.final, c.num_tokens = resp.commit_epoch, resp.final, resp.num_tokens
         if leg.clock is None:
             leg.clock = LeaseClock(resp.lease_remaining_ms)
         else:
             leg.clock.renew(resp.lease_remaining_ms)
+
+    def _take_digests(self, leg: Leg, c: _LegCommits, content: Sequence[pb.BlockContent]) -> None:
+        """Append an answer's digests (after its blocks): each group's must start where the ones
+        held end and stay within the blocks committed, from a rank that server hosts."""
+        for bc in content:
+            where = {"address": leg.peer.address, "rank": bc.rank}
+            if bc.rank not in leg.peer.ranks or len(bc.groups) != len(c.blocks):
+                raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"{leg.peer.address} sent digests for rank "
+                                      f"{bc.rank} in {len(bc.groups)} groups, not one of its ranks in "
+                                      f"{len(c.blocks)}", where)
+            held = c.digests.setdefault(bc.rank, [[] for _ in c.blocks])
+            for g, gc in enumerate(bc.groups):
+                if gc.first_block != len(held[g]) or len(held[g]) + len(gc.digests) > c.blocks[g].size:
+                    raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"{leg.peer.address} sent digests of blocks "
+                                          f"{gc.first_block}..{gc.first_block + len(gc.digests)} of group {g} "
+                                          f"after {len(held[g])} of {c.blocks[g].size} committed",
+                                          {**where, "group": g, "first_block": gc.first_block})
+                held[g].extend(gc.digests)
+
+    def expected_content(self) -> dict[int, dict[tuple[int, int], int]]:
+        """Per P rank: the digest of each block, (group, block id), that its server sent."""
+        out: dict[int, dict[tuple[int, int], int]] = {}
+        for c in self._of.values():
+            for rank, groups in c.digests.items():
+                out[rank] = {(g, int(b)): d for g, ds in enumerate(groups)
+                             for b, d in zip(c.blocks[g][:len(ds)].tolist(), ds, strict=True)}
+        return out

@@ -15,7 +15,8 @@ RELIABILITY.md's table):
   up while its READs run), claim_lost (the answer to D's claim never comes back: P may have
   taken it), corrupt_landed (a byte of what landed is flipped: a torn or misdirected READ).
 - P's: lease_released (the lease is released while D reads: expiry, a router's abort),
-  block_rewritten (the engine writes into a leased block after the lease was made),
+  block_rewritten (the engine writes into a leased block after the lease was made; on a
+  progressive lease, into the first block a commit made whole, once its digest was taken),
   stream_stalled (a progressive lease takes its first chunk and no later commit reaches D:
   P's engine hung mid-prefill -- a wedged worker, a stuck device; the commits are answered
   as made and dropped, so the engine goes on and a test can kill P while D waits on a

@@ -114,8 +114,9 @@ async def publish(node: Node, req: pb.PublishBlocksRequest, siblings: Siblings) 
                               "it on each server under one lease_token (and commit on each)",
                               {"field": "progressive", "siblings": len(siblings.known)})
     lease, groups = lease_here(node, req)
-    if lease.content is not None:  # the digests are of the bytes as they are when this answers
-        await asyncio.shield(lease.content)
+    taken = content.pending(lease)
+    if taken is not None:  # the digests are of the bytes as they are when this answers
+        await asyncio.shield(taken)
     servers = [pb.EngineServer(address=node.address, ranks=list(node.hosted_ranks), epoch=node.epoch,
                                lease_serial=lease.serial)]
     if not req.lease_token and siblings.known:  # the engine's own call: the siblings lease their ranks
@@ -153,7 +154,8 @@ def lease_here(node: Node, req: pb.PublishBlocksRequest) -> tuple[Lease, list[li
                                 num_tokens=req.num_tokens, progressive=req.progressive)
     content.take(node, lease, now=fault == "block_rewritten")  # digests before that fault rewrites
     if fault is not None:
-        _fault_of(node, lease, fault)
+        lease.fault = fault
+        rewrite_if_faulted(node, lease)
     return lease, groups
 
 
@@ -172,10 +174,6 @@ def checked_groups(node: Node, block_ids_per_group: Sequence[pb.BlockIds]) -> li
 
 def check_progressive(node: Node) -> None:
     """What a progressive lease does not go with yet (docs/ARCHITECTURE.md, "Progressive pull")."""
-    if node.config.content_digest:
-        raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, "this server takes content digests "
-                                 "(content_digest), which progressive leases do not carry yet: lease the request "
-                                 "whole", {"content_digest": "true"})
     if node.layout.dcp_size > 1:
         raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, f"this engine runs DCP {node.layout.dcp_size}, which "
                                  "progressive leases do not take yet: lease the request whole",
@@ -264,21 +262,26 @@ def claimed(node: Node, req: pb.ClaimLeaseRequest,
 
 # ---- injected faults (service/faults.py: tests only) ---------------------------------------
 
-def _fault_of(node: Node, lease: Lease, fault: str) -> None:
-    """The lease's fault: lease_released is applied when D claims; block_rewritten now, after
-    the lease's digests (if any) were taken, so always before D reads -- as an engine that
-    reuses a leased block."""
-    assert node.faults is not None
-    lease.fault = fault
-    if fault != "block_rewritten":
+def rewrite_if_faulted(node: Node, lease: Lease) -> None:
+    """block_rewritten (lease_released is applied when D claims): the engine writes into a
+    leased block after its digest was taken, before D reads it -- as an engine that reuses a
+    leased block. A lease made whole: its first block, as it is made. A progressive lease:
+    the first block of group 0 a commit made whole and had hashed (a server without
+    content_digest hashes none: not applied), once."""
+    if lease.fault != "block_rewritten":
         return
+    assert node.faults is not None
+    target = lease.block_ids[0][:1].tolist() if lease.commits is None else (content.newly_whole(lease) or [])[:1]
+    if not target:
+        return
+    lease.fault = ""
     node.faults.injected_now("block_rewritten")
     for rank in node.hosted_ranks:
         pool = node.pools[rank]
-        if pool.memory_kind is not MemoryKind.DRAM or not len(lease.block_ids[0]):
+        if pool.memory_kind is not MemoryKind.DRAM:
             continue
         region = next(r for r in node.side.pool.regions if r.group_index == 0)
-        at = pool.region_address(region) + int(lease.block_ids[0][0]) * region.block_stride
+        at = pool.region_address(region) + target[0] * region.block_stride
         block = (ctypes.c_ubyte * min(64, region.block_len)).from_address(at)
         for i in range(len(block)):
             block[i] ^= 0xFF

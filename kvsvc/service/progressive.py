@@ -4,6 +4,7 @@ commits, and D's waits for the next one. The state and its rules are the lease t
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Sequence
@@ -14,9 +15,16 @@ from kvsvc.leases.records import Lease
 from kvsvc.leases.table import monotonic_to_unix_ms
 from kvsvc.limits import MAX_WAIT_MS, MIN_CLAIM_ID_BYTES, check_id, check_num_tokens, too_big
 from kvsvc.reasons import Reason
+from kvsvc.service import content
 from kvsvc.service.auth import require_peer
 from kvsvc.service.node import Node
-from kvsvc.service.prefill import check_blocks_cover, check_growing_blocks, check_lease_ids, checked_groups
+from kvsvc.service.prefill import (
+    check_blocks_cover,
+    check_growing_blocks,
+    check_lease_ids,
+    checked_groups,
+    rewrite_if_faulted,
+)
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 
@@ -44,9 +52,22 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
     lease = node.leases.commit(req.request_id, node.epoch, token=req.lease_token, commit_epoch=req.commit_epoch,
                                block_ids=groups, num_tokens=req.num_tokens, final=req.final)
     assert lease.commits is not None
+    content.take(node, lease, now=lease.fault == "block_rewritten")  # what this commit made whole (content_digest)
+    rewrite_if_faulted(node, lease)
     node.metrics.committed(req.final)
     return pb.CommitBlocksResponse(commit_epoch=lease.commits.epoch,
                                    lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+
+
+async def commit_answered(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
+    """CommitBlocks over the wire: answered once the digests of the blocks it made whole
+    were taken (content_digest), as PublishBlocks is -- bytes the engine changes after the
+    answer differ from them. An engine embedding the server commits without waiting."""
+    resp = commit(node, req)
+    taken = content.pending(node.leases.get(req.request_id))
+    if taken is not None:
+        await asyncio.shield(taken)
+    return resp
 
 
 async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequence[str] = ()) -> pb.WaitCommitResponse:
@@ -64,9 +85,12 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
                                                  timeout_s=req.wait_ms / 1000)
     assert lease.commits is not None
     blocks = [held[start:end] for held, (start, end) in zip(lease.block_ids, since, strict=True)]
-    return pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,
+    resp = pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,
                                  block_ids_per_group=block_ids_to_proto(blocks), num_tokens=lease.commits.num_tokens,
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+    if req.want_content:  # the answer is this epoch's, whatever is committed while the digests are awaited
+        resp.content.extend(await content.since(lease, req.after_epoch, resp.commit_epoch))
+    return resp
 
 
 # ---- injected faults (service/faults.py: tests only) ---------------------------------------

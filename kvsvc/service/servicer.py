@@ -130,7 +130,7 @@ class KvTransferServicer(pb_grpc.KvTransferServiceServicer):
     async def CommitBlocks(self, request: pb.CommitBlocksRequest,
                            context: grpc.aio.ServicerContext) -> pb.CommitBlocksResponse:
         require_engine(self.node, caller_names(context), "commit blocks")
-        return progressive.commit(self.node, request)
+        return await progressive.commit_answered(self.node, request)
 
     @rpc_errors
     async def WaitCommit(self, request: pb.WaitCommitRequest, context: grpc.aio.ServicerContext) -> pb.WaitCommitResponse:

@@ -11,7 +11,8 @@ A TransferRun goes through its phases in order:
    abort it);
 4. confirm -- one lease message: claim-and-consumed after short READs, or the confirm of
    the early claim; with content_digest, D hashes what landed meanwhile and checks it
-   against the digests P answered the claim with (service/content.py).
+   against the digests P answered the claim with (service/content.py) -- for a progressive
+   lease, those that came with its commits, checked over every chunk's READs.
 
 Any failure from post on takes one path (_failed, then _fail): the READs settle before
 anything else is said, P's answer to a claim is learnt, every P server is told to let go,
@@ -120,6 +121,7 @@ class TransferRun:
         self.marks: list[tuple[str, float]] = []
         self.span, self.clock = trace.get_current_span(), Clock()
         self.posted: list[Posted] = []
+        self.pulled: list[Read] = []  # a progressive lease's READs, every chunk's (checked at the end)
         self.claimed: asyncio.Future[None] | None = None  # an early claim, once sent
         self.keepers: list[asyncio.Future[None]] = []  # its heartbeats
         self.reads_done: asyncio.Future[None] | None = None
@@ -171,7 +173,7 @@ class TransferRun:
     def _follow(self, side: Side, local_ids: list[list[int]]) -> ProgressiveBlocks:
         """A progressive lease's transfer: D's blocks aligned from the request's start (after
         the prefix it holds), and a claim that carries no digest (the blocks are not all
-        known yet) and asks for none (progressive leases carry none)."""
+        known yet) and asks for no content (the content digests come with the commits)."""
         node, p = self.node, self.p
         if node.layout.dcp_size > 1 or side.layout.dcp_size > 1:
             raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, "progressive leases are not pulled between "
@@ -186,7 +188,8 @@ class TransferRun:
             check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
         self.own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16),
                              node.layout.dcp_size, traceparent(self.span))
-        self.follower = CommitFollower(self.legs, self.own, len(node.layout.groups))
+        self.follower = CommitFollower(self.legs, self.own, len(node.layout.groups),
+                                       want_content=node.config.content_digest)
         return ProgressiveBlocks(local_ids, group_shapes(node.layout), prefix_tokens=self.req.local_prefix_tokens,
                                  local_block_size=node.layout.block_size, remote_block_size=side.layout.block_size)
 
@@ -196,7 +199,9 @@ class TransferRun:
         try:
             if self.growing is not None:
                 await self._pull()
-                landed = None  # progressive leases carry no digests (docs/ARCHITECTURE.md)
+                if self._inject("corrupt_landed"):
+                    _flip_a_landed_byte(self.node, self.pulled)
+                landed = self._hash_landed(self.pulled)  # every chunk's, on a worker thread, while P confirms
             else:
                 await self._post(reads)
                 self.marks.append(("post", time.perf_counter()))
@@ -269,7 +274,9 @@ class TransferRun:
             chunk = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final)
             if chunk is None:
                 continue
-            await self._post(self._reads(self.legs[0].peer.side, *chunk, 0))
+            reads = self._reads(self.legs[0].peer.side, *chunk, 0)
+            self.pulled.extend(reads)
+            await self._post(reads)
             self.recorded.append(functools.partial(self.node.metrics.progressive_read, not follower.final))
             self.chunks[follower.final] += 1
             if first:
@@ -355,9 +362,12 @@ class TransferRun:
         return asyncio.get_running_loop().run_in_executor(None, content.landed, self.node, p_regions, reads)
 
     def _check_content(self, landed: dict[int, tuple[dict[tuple[int, int], int], int]]) -> None:
-        sent = [c for leg in self.legs for c in leg.content]
+        if self.growing is not None:  # the digests came with the commits
+            expected = self.follower.expected_content()
+        else:
+            expected = content.expected(self.remote_ids, [c for leg in self.legs for c in leg.content])
         try:
-            checked, unchecked = content.check(self.req.request_id, self.remote_ids, sent, landed)
+            checked, unchecked = content.check(self.req.request_id, expected, landed)
         except KvsvcError:
             self.recorded.append(self.node.metrics.content_mismatch)
             raise

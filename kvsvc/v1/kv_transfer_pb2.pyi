@@ -747,34 +747,38 @@ class CommitBlocksResponse(_message.Message):
     def __init__(self, commit_epoch: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WaitCommitRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "claim_id", "after_epoch", "wait_ms")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "claim_id", "after_epoch", "wait_ms", "want_content")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    WANT_CONTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
     claim_id: str
     after_epoch: int
     wait_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., claim_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    want_content: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., claim_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., wait_ms: _Optional[int] = ..., want_content: _Optional[bool] = ...) -> None: ...
 
 class WaitCommitResponse(_message.Message):
-    __slots__ = ("commit_epoch", "final", "block_ids_per_group", "num_tokens", "lease_remaining_ms")
+    __slots__ = ("commit_epoch", "final", "block_ids_per_group", "num_tokens", "lease_remaining_ms", "content")
     COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     commit_epoch: int
     final: bool
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     lease_remaining_ms: int
-    def __init__(self, commit_epoch: _Optional[int] = ..., final: _Optional[bool] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
+    content: _containers.RepeatedCompositeFieldContainer[BlockContent]
+    def __init__(self, commit_epoch: _Optional[int] = ..., final: _Optional[bool] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., content: _Optional[_Iterable[_Union[BlockContent, _Mapping]]] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
     __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial", "wait_ms", "want_content")
@@ -829,10 +833,12 @@ class BlockContent(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupContent, _Mapping]]] = ...) -> None: ...
 
 class GroupContent(_message.Message):
-    __slots__ = ("digests",)
+    __slots__ = ("digests", "first_block")
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    first_block: int
+    def __init__(self, digests: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class InlineRemote(_message.Message):
     __slots__ = ("layout", "tp_size")

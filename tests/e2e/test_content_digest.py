@@ -16,10 +16,11 @@ from tests.e2e.harness import layout_table, session, transfer_and_check
 from tests.e2e.test_observability import metrics_url, scrape
 
 
-def start(engine: str, role: str, tp: int, layout, tmp_path, digest: bool = True) -> ServerProcess:
+def start(engine: str, role: str, tp: int, layout, tmp_path, digest: bool = True, faults: str = "") -> ServerProcess:
     cfg = tmp_path / f"{engine}.toml"
     cfg.write_text(f'[server]\nmetrics_listen = "127.0.0.1:0"\ncontent_digest = {str(digest).lower()}\n')
-    return start_server(engine_id=engine, role=role, tp_size=tp, layout=layout, config_file=str(cfg))
+    return start_server(engine_id=engine, role=role, tp_size=tp, layout=layout, config_file=str(cfg),
+                        extra_env={"KVSVC_FAULTS": faults} if faults else None)
 
 
 def content(d: ServerProcess, engine: str) -> dict[str, float]:

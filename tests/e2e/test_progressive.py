@@ -264,19 +264,6 @@ async def test_a_lease_p_never_finishes_ends_at_d_deadline_and_blocks_that_canno
             assert e.value.reason == "INVALID_FIELD" and e.value.metadata["field"] == "local_prefix_tokens"
 
 
-async def test_a_server_with_content_digests_refuses_to_open_one():
-    """Digests are taken of a lease's blocks when it is made; a progressive lease's later
-    blocks would go unchecked, so such a server leases requests whole only (for now)."""
-    from kvsvc.client import AsyncClient
-    from tests.e2e.harness import in_process_pair
-
-    async with in_process_pair("pg", content_digest=True) as (p, _d), AsyncClient(f"127.0.0.1:{p.port}") as pc:
-        with pytest.raises(FailedPrecondition) as e:
-            await pc.publish_blocks_request(opening("digested", [1]))
-        assert e.value.reason == "LEASE_NOT_PROGRESSIVE" and e.value.metadata["content_digest"] == "true"
-        assert (await pc.get_info()).live_leases == 0
-
-
 async def test_the_stream_stalled_fault_keeps_the_first_chunk_and_drops_every_later_commit():
     """The fault the vLLM test of a P killed mid-stream relies on (service/faults.py): the
     engine's later commits are answered as made, D sees the lease stay at its first chunk, and

@@ -139,6 +139,9 @@ def against_aggregated(model: Path, logs: Path, env: dict[str, str], together: l
             assert metric(p_metrics, "kvsvc_commits_total", final="false") > 0
             assert metric(d_metrics, "kvsvc_progressive_reads_total", when="growing") \
                 + metric(d_metrics, "kvsvc_progressive_reads_total", when="final") > 0
+        if env.get("KVSVC_SGLANG_CONTENT_DIGEST") == "true":  # every page D read was checked, none differed
+            assert metric(d_metrics, "kvsvc_content_checked_blocks_total", result="checked") > 0
+            assert metric(d_metrics, "kvsvc_content_checked_blocks_total", result="mismatch") == 0
 
 
 def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
@@ -147,8 +150,10 @@ def test_kvsvc_backend_equals_sglangs_aggregated_server(model, kvsvc_env, tmp_pa
 
 def test_progressive_leases_equal_sglangs_aggregated_server(model, kvsvc_env, tmp_path):
     """KVSVC_SGLANG_PROGRESSIVE: P opens each request's lease at its first chunk and commits
-    each later one; D reads while P prefills (a one-chunk request is leased whole)."""
-    env = {**kvsvc_env, "KVSVC_SGLANG_PROGRESSIVE": "true"}
+    each later one; D reads while P prefills (a one-chunk request is leased whole). With
+    content digests: P hashes each page once a commit makes it whole, D checks every page
+    it read against them."""
+    env = {**kvsvc_env, "KVSVC_SGLANG_PROGRESSIVE": "true", "KVSVC_SGLANG_CONTENT_DIGEST": "true"}
     against_aggregated(model, tmp_path, env, MORE, [*PROMPTS, LONG], progressive=True)
 
 

@@ -50,14 +50,17 @@ CHUNK_TOKENS = 64  # P's prefill step: PROMPTS[10] (200 tokens) takes four
 
 @contextlib.contextmanager
 def pair(model: Path, logs: Path, p_tp: int = 1, d_tp: int = 1, d_args: tuple[str, ...] = (),
-         p_env: dict[str, str] | None = None, d_conf: dict | None = None) -> Iterator[tuple[Served, Served, Served]]:
+         p_env: dict[str, str] | None = None, d_conf: dict | None = None,
+         digests: bool = False) -> Iterator[tuple[Served, Served, Served]]:
     """P (prefilling in chunks, without a prefix cache: a prompt sent twice is prefilled and
     streamed twice), D (recomputing a failed load, unless d_conf says otherwise), and kvsvc's
-    router with --progressive."""
-    p = vllm_serve(f"stream-p-tp{p_tp}", model, logs, kvsvc("kv_producer", lease_ttl_s=40), tp=p_tp,
+    router with --progressive; digests: both servers take and check content digests."""
+    extra = {"content_digest": True} if digests else {}
+    p = vllm_serve(f"stream-p-tp{p_tp}", model, logs, kvsvc("kv_producer", lease_ttl_s=40, **extra), tp=p_tp,
                    extra_args=("--max-num-batched-tokens", str(CHUNK_TOKENS), "--no-enable-prefix-caching"),
                    env=p_env)
-    d = vllm_serve(f"stream-d-tp{d_tp}", model, logs, d_conf or kvsvc("kv_consumer"), tp=d_tp, extra_args=d_args)
+    d = vllm_serve(f"stream-d-tp{d_tp}", model, logs, d_conf or kvsvc("kv_consumer", **extra), tp=d_tp,
+                   extra_args=d_args)
     procs: list[Served] = [p, d]
     try:
         p.wait_ready()
@@ -256,6 +259,37 @@ def test_a_stream_lost_under_the_fail_policy_is_retried_pulled_by_the_router(eng
         assert streamed_token_ids(events) == reference["alone-9"][0]["token_ids"]
         assert d.wait_metric("vllm:kvsvc_num_failed_transfers_total", 2) == 2
         assert r.tail().count("retrying it once") == 2, r.tail()
+        nothing_held(p, d)
+
+
+def test_a_streamed_block_changed_after_its_digest_fails_the_load_and_d_recomputes_it_exactly(
+        engines, reference, tmp_path):
+    """Content digests on both engines: P hashes each streamed block as a commit makes it
+    whole, D checks every chunk it read. P's server rewrites a committed block of every
+    second lease right after its digest was taken (KVSVC_FAULTS, block_rewritten: an engine
+    writing a block it streamed, before D reads it), so the streamed request's load fails
+    DIGEST_MISMATCH and D recomputes it; the next stream passes the check. Every answer equals
+    the aggregated run."""
+    with pair(engines.model, tmp_path, p_env={"KVSVC_FAULTS": "-,block_rewritten,-"}, digests=True) as (p, d, r):
+        releases = Releases(kvsvc_servers(p.log))
+        try:
+            # Lease 1 (the router learns P: pulled), 2 (streamed: a block rewritten), 3 (streamed).
+            for k in (5, 10, 9):
+                got = tokens_and_logprobs(r.post("/v1/completions", completion(PROMPTS[k], 8)))
+                assert got == reference[f"alone-{k}"][0], k
+            streams: list[str] = []
+            for _ in range(600):  # the release events trail the answers a little
+                streams = [rid for rid in releases.by_request() if rid.startswith("kvsvc-stream-")]
+                if len(streams) >= 2:
+                    break
+                time.sleep(0.05)
+            assert len(streams) == 2, releases.by_request()
+            assert releases.live_leases() == 0
+        finally:
+            releases.close()
+        why = re.findall(r"kvsvc: transfer of \S+ failed: (\w+)", d.log.read_text(errors="replace"))
+        assert why == ["DIGEST_MISMATCH"], (why, d.tail())
+        assert d.wait_metric("vllm:kvsvc_streamed_chunks_final_total", 1) >= 1  # the clean stream was read
         nothing_held(p, d)
 
 
