@@ -1,7 +1,9 @@
 """Requests that wait in D's queue longer than P's lease still load, with vLLM's defaults.
 
 D runs one request at a time (max_num_seqs=1), so of a batch P prefilled at once the last
-ones wait in D's queue for more than one of P's 5-second lease lifetimes; D's connector
+ones wait in D's queue for more than one of P's 5-second lease lifetimes (the batch is sized
+so that they do on a CPU whose AMX tiles decode 4,800 tokens in 4.5 s: 28 requests of up to
+400 tokens, about 10 s there and longer elsewhere; the test checks it happened); D's connector
 heartbeats their leases meanwhile. With the default kv_load_failure_policy ("fail") an
 expired lease would fail the request; here every one must load (P releases each
 CONSUMED, none EXPIRED) and answer as the aggregated engine does.
@@ -20,7 +22,8 @@ from tests.vllm.releases import Releases, p_servers
 pytestmark = pytest.mark.timeout(900)
 
 TTL_S = 5.0  # above P's batch time: a request's lease runs from P's finishing it, heartbeats start at D
-TOKENS = 400  # long enough that each request holds D for a while (prompts are up to 150 tokens); 8 compared
+TOKENS = 400  # long enough that each request holds D for a while (vLLM stops at max_model_len); 8 compared
+PAIRS = 14  # of prompts: 28 requests, D's queue outlives the TTL about twice over even with AMX
 
 
 def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, reference):
@@ -31,7 +34,7 @@ def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, r
     try:
         P.wait_ready()
         D.wait_ready()
-        prompts = [PROMPTS[5], PROMPTS[9]] * 6
+        prompts = [PROMPTS[5], PROMPTS[9]] * PAIRS
         # Subscribe before P prefills: between P's batch and D's first heartbeat only the
         # engines' own time passes (a subscription made in between once took long enough
         # on busy cores that the first leases expired before D had seen their requests).
@@ -52,7 +55,7 @@ def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, r
         finally:
             releases.close()
         assert outlived > TTL_S, f"D answered in {waited:.1f} s, last release after {outlived:.1f} s: no request outlived its lease"
-        for o, alone in zip(got, [reference["alone-5"][0], reference["alone-9"][0]] * 6, strict=True):
+        for o, alone in zip(got, [reference["alone-5"][0], reference["alone-9"][0]] * PAIRS, strict=True):
             assert o["token_ids"][:8] == alone["token_ids"]
             assert o["logprobs"][:8] == alone["logprobs"]
     finally:
