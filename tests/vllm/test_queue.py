@@ -55,6 +55,7 @@ def test_requests_queued_on_d_longer_than_the_lease_all_load(engines: Engines, r
         finally:
             releases.close()
         assert outlived > TTL_S, f"D answered in {waited:.1f} s, last release after {outlived:.1f} s: no request outlived its lease"
+        print(f"D answered in {waited:.1f} s; the last lease was consumed {outlived:.1f} s after D got the batch")
         for o, alone in zip(got, [reference["alone-5"][0], reference["alone-9"][0]] * PAIRS, strict=True):
             assert o["token_ids"][:8] == alone["token_ids"]
             assert o["logprobs"][:8] == alone["logprobs"]
