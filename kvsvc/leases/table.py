@@ -57,6 +57,13 @@ __all__ = ["MAX_WATCH_BACKLOG_BYTES", "Claim", "Lease", "LeaseState", "LeaseTabl
            "new_lease_token"]
 
 TOMBSTONES_MAX = 100_000
+# A reaper that wakes this much later than it planned means this server's event loop did not
+# run meanwhile (a GC pause, a thread starved of CPU or of the GIL by its engine): renewals D
+# sent in that time sit unread in its sockets. The leases that fell due then get as long
+# again, from the moment the loop runs, so those renewals are read before any of them
+# expires; keeping blocks longer is always safe, expiring a lease D kept renewing is not.
+LOOP_STALL_S = 0.25
+MAX_STALL_GRACE_S = 60.0
 
 
 def _check_token(lease: Lease, token: str) -> None:
@@ -98,6 +105,8 @@ class LeaseTable:
     _watchers: set[Subscription] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _reaper: asyncio.Task[None] | None = None
+    _planned: float | None = None  # when the reaper, asleep, means to wake (None: no deadline)
+    _graced: set[str] = field(default_factory=set)  # leases given a stall's grace since their last renewal
     _claimed: int = 0
     _serial: int = 0  # leases made so far: the last one's serial
     _no_claims: asyncio.Event = field(default_factory=asyncio.Event)
@@ -466,8 +475,10 @@ class LeaseTable:
                                      {"request_id": request_id, "lease_epoch": epoch, "server_epoch": self.epoch})
         lease = self._live.get(request_id)
         if lease is not None and lease.expires_at <= time.monotonic():
-            self._release(lease, LeaseState.EXPIRED)
-            lease = None
+            self._grace_after_stall(time.monotonic())  # a call read first after a stall: see LOOP_STALL_S
+            if lease.expires_at <= time.monotonic():
+                self._release(lease, LeaseState.EXPIRED)
+                lease = None
         if lease is None:
             dead = self._dead.get(request_id)
             state = dead.state.value if dead else "unknown"
@@ -490,6 +501,7 @@ class LeaseTable:
     def _extend(self, lease: Lease, extend_s: float | None) -> None:
         ttl = min(extend_s or self.default_ttl_s, self.max_ttl_s)
         lease.expires_at = max(lease.expires_at, time.monotonic() + ttl)
+        self._graced.discard(lease.request_id)
         self._schedule(lease)
 
     def _schedule(self, lease: Lease) -> None:
@@ -501,6 +513,7 @@ class LeaseTable:
     def _release(self, lease: Lease, reason: LeaseState, announce: bool = True) -> None:
         if lease.state.released:
             return
+        self._graced.discard(lease.request_id)
         if lease.state is LeaseState.CLAIMED:
             self._claimed -= 1
             left = self._claims_of.pop(lease.d_engine_id, 1) - 1
@@ -531,6 +544,7 @@ class LeaseTable:
 
     def expire_due(self) -> None:
         now = time.monotonic()
+        self._grace_after_stall(now)
         while self._heap and self._heap[0][0] <= now:
             _, rid = heapq.heappop(self._heap)
             lease = self._live.get(rid)
@@ -538,10 +552,31 @@ class LeaseTable:
             if lease is not None and lease.expires_at <= now:
                 self._release(lease, LeaseState.EXPIRED)
 
+    def _grace_after_stall(self, now: float) -> None:
+        """If the reaper is LOOP_STALL_S past the wake-up it planned, the loop was stalled:
+        every lease due by now gets as long again as the reaper is late (at most
+        MAX_STALL_GRACE_S), once per stall and once per renewal (a loop late all the time
+        does not keep a lease nobody renews)."""
+        planned = self._planned
+        if planned is None or now - planned <= LOOP_STALL_S:
+            return
+        self._planned = None
+        grace = min(now - planned, MAX_STALL_GRACE_S)
+        due = [lease for lease in self._live.values() if lease.expires_at <= now and lease.request_id not in self._graced]
+        for lease in due:
+            self._graced.add(lease.request_id)
+            lease.expires_at = now + grace
+            heapq.heappush(self._heap, (lease.expires_at, lease.request_id))
+        if due:
+            log.warning("lease expiry ran %.1f s late (this server's event loop was stalled): %d leases that fell due "
+                        "meanwhile get %.1f s more, for the renewals sent to them meanwhile", now - planned, len(due),
+                        grace)
+
     async def _reap(self) -> None:
         while True:
             self.expire_due()
             self._wake.clear()
+            self._planned = self._heap[0][0] if self._heap else None
             timeout = max(0.0, self._heap[0][0] - time.monotonic()) if self._heap else None
             # asyncio.timeout, not wait_for: in Python 3.11 wait_for swallows a cancel that
             # arrives as the wake-up event is set, and close() then waited forever.

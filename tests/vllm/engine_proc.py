@@ -70,7 +70,8 @@ def main() -> None:
         sps = []
         for p in req["params"]:
             extra = {"kv_transfer_params": p} if p is not None else None
-            sps.append(SamplingParams(max_tokens=req["max_tokens"], temperature=0, logprobs=1, extra_args=extra))
+            sps.append(SamplingParams(max_tokens=req["max_tokens"], temperature=0, logprobs=1, extra_args=extra,
+                                      ignore_eos=req.get("ignore_eos", False)))
         results = llm.generate([{"prompt_token_ids": ids} for ids in req["prompts"]], sps, use_tqdm=False)
         outputs = []
         for r in results:

@@ -184,10 +184,12 @@ class Engine:
         """The kvsvc connector's transfers since start (loaded, failed, cancelled, bytes), all workers."""
         return self._ask({"op": "kvsvc_totals"})["totals"]
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None
-                 ) -> list[dict[str, Any]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None,
+                 ignore_eos: bool = False) -> list[dict[str, Any]]:
+        """ignore_eos: every request generates max_tokens (or up to the model's length), as a
+        test that needs the engine busy for a known number of steps asks."""
         return self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                          "params": params or [None] * len(prompts)})["outputs"]
+                          "params": params or [None] * len(prompts), "ignore_eos": ignore_eos})["outputs"]
 
     def tail(self, n: int = 40) -> str:
         lines = [x for x in self.log.read_text(errors="replace").splitlines() if "Location 'file" not in x]
