@@ -43,6 +43,13 @@ def servers(p_tp: int, d_tp: int, p_layout: Mapping[str, Any], d_layout: Mapping
     except BaseException:
         p.stop()
         raise
+    with running(p, d):
+        yield p, d
+
+
+@contextlib.contextmanager
+def running(p: ServerProcess, d: ServerProcess) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A started pair: reported if the test fails, stopped after it, and both must exit 0."""
     try:
         yield p, d
     except BaseException:

@@ -18,7 +18,7 @@ from kvsvc.cli.procs import ServerProcess
 from kvsvc.errors import KvsvcError
 from kvsvc.reasons import ErrorCode, Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import layout_table, report_servers, session
+from tests.e2e.harness import layout_table, running, session
 from tests.e2e.test_content_digest import content, start
 from tests.e2e.test_progressive import LAYOUT, claimed_on_p, committing, landed_on_d, opening
 
@@ -29,15 +29,13 @@ pytestmark = pytest.mark.timeout(120)
 def pair(tmp_path, *, p_tp: int = 1, d_tp: int = 1, d_layout=None, p_digest: bool = True,
          p_faults: str = "", d_faults: str = "") -> Iterator[tuple[ServerProcess, ServerProcess]]:
     p = start("pd-p", "prefill", p_tp, LAYOUT, tmp_path, digest=p_digest, faults=p_faults)
-    d = start("pd-d", "decode", d_tp, d_layout or LAYOUT, tmp_path, faults=d_faults)
     try:
-        yield p, d
+        d = start("pd-d", "decode", d_tp, d_layout or LAYOUT, tmp_path, faults=d_faults)
     except BaseException:
-        report_servers(p, d)
-        raise
-    finally:
         p.stop()
-        d.stop()
+        raise
+    with running(p, d):
+        yield p, d
 
 
 def block_bytes(mem, block: int) -> list[np.ndarray]:
