@@ -72,7 +72,9 @@ class Lease:
     published_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     digest: bytes = b""  # blocks_digest(block_ids, num_tokens): what a claim must have read
     serial: int = 0  # this lease among every lease this table made: one id leased again is another lease
-    content: Any = None  # the blocks' content digests as they are taken (service/content.py), when taken
+    # The blocks' content digests as they are taken (service/content.py), when taken: one
+    # future for a lease made whole, one batch per commit epoch for a progressive one.
+    content: Any = None
     fault: str = ""  # a fault this lease gets (service/faults.py; tests only)
     commits: CommitLog | None = None  # a progressive lease's commit epochs (leases/commits.py); None: made whole
 

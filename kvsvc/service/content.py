@@ -86,10 +86,10 @@ def take(node: Node, lease: Lease, *, now: bool = False) -> None:
     lease.content = settled
     if len(settled) >= lease.commits.epoch:
         return  # a retried commit: its blocks were taken with it
-    log_ = lease.commits
+    commits = lease.commits
     start = settled[-1].end if settled else (0,) * len(lease.block_ids)
-    end = tuple(max(s, whole_blocks(shape, int(ids.size), num_tokens=log_.num_tokens,
-                                    block_size=node.layout.block_size, final=log_.final))
+    end = tuple(max(s, whole_blocks(shape, int(ids.size), num_tokens=commits.num_tokens,
+                                    block_size=node.layout.block_size, final=commits.final))
                 for s, shape, ids in zip(start, group_shapes(node.layout), lease.block_ids, strict=True))
     blocks = [ids[s:e].tolist() for ids, s, e in zip(lease.block_ids, start, end, strict=True)]
     settled.append(Settled(start, end, _hashing(node, ranks, blocks, now=now)))
