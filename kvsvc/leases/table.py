@@ -266,7 +266,17 @@ class LeaseTable:
         serial (the lease's, as its params say; 0: unchecked): a later lease of the same id
         (and token, where an engine derives tokens from ids) is refused with LEASE_EXPIRED.
         """
-        growing = self._live.get(request_id) if consumed and epoch == self.epoch else None
+        live = self._live.get(request_id) if epoch == self.epoch else None
+        if live is not None and live.commits is not None and digest and not consumed:
+            # An early claim with a digest reads the lease whole, and a D whose claim of a
+            # whole lease holds answers before P confirms (transfer_run._confirm). A
+            # progressive lease is read by its commits, and its engine may take it back while
+            # claimed (withdraw): only P's confirm can prove such a read.
+            _check_token(live, token)
+            raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"request {request_id!r} was leased progressively but "
+                                  "the params read it whole: use the params of its lease, unedited "
+                                  "(TransferParams.progressive)", {"request_id": request_id, "progressive": "true"})
+        growing = live if consumed else None
         if growing is not None and growing.commits is not None and not growing.commits.final:
             _check_token(growing, token)  # refused before any claim is granted: the answer changes nothing
             raise FailedPrecondition(Reason.LEASE_NOT_FINAL, f"request {request_id!r} is still growing (commit "

@@ -29,6 +29,9 @@ T = TypeVar("T")
 UNKNOWN_OUTCOME = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED, ErrorCode.INTERNAL)
 
 HEARTBEAT_MIN_INTERVAL_S = 0.05
+# LeaseClock.held_until stays this far inside P's deadline: the two hosts' clocks may run
+# at slightly different rates (parts per million: microseconds over a lease's seconds).
+HELD_MARGIN_S = 0.02
 
 # A claim for params with lease_pending that finds no lease yet waits on P for it
 # (ClaimLeaseRequest.wait_ms; P's workers lease the blocks in the step that finishes the
@@ -115,13 +118,27 @@ class ClaimState(enum.Enum):
 
 
 class LeaseClock:
-    """D's view of P's lease deadline, in local monotonic time (no clock skew between hosts)."""
+    """D's view of P's lease deadline, in local monotonic time (no clock skew between hosts).
 
-    def __init__(self, remaining_ms: int) -> None:
-        self.renew(remaining_ms)
+    deadline: from when P's answer was read here (what heartbeats are paced by). held_until:
+    from when the call it answers was sent, less HELD_MARGIN_S -- P counted its remaining
+    time after that, so P holds the lease at least this long: a bound that a late answer
+    (a slow link, this loop stalled before reading it) cannot push past P's real deadline.
+    """
 
-    def renew(self, remaining_ms: int) -> None:
+    def __init__(self, remaining_ms: int, sent_at: float | None = None) -> None:
+        self.held_until = float("-inf")
+        self.renew(remaining_ms, sent_at)
+
+    def renew(self, remaining_ms: int, sent_at: float | None = None) -> None:
         self.deadline = time.monotonic() + remaining_ms / 1000
+        if sent_at is not None:
+            self.held_until = max(self.held_until, sent_at + remaining_ms / 1000 - HELD_MARGIN_S)
+
+    @property
+    def holds(self) -> bool:
+        """P holds the lease now, for certain (see held_until)."""
+        return time.monotonic() < self.held_until
 
     @property
     def remaining_s(self) -> float:
@@ -230,7 +247,7 @@ async def claim_all(legs: list[Leg], own: Ownership, timeout_s: float, consumed:
             leg.claim = ClaimState.REFUSED
             await asyncio.sleep(pause)
             pause = min(2 * pause, PENDING_RETRY_MAX_S)
-        leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms)
+        leg.claim, leg.clock = ClaimState.HELD, LeaseClock(resp.lease_remaining_ms, sent)
         leg.content = list(resp.content)
         if consumed and resp.state == pb.LEASE_STATE_UNSPECIFIED:
             # A P server older than `consumed` took it as a plain claim: the grant proves the
@@ -275,6 +292,7 @@ async def heartbeat(leg: Leg, own: Ownership, claimed: asyncio.Future[None] | No
         return
     while True:
         await asyncio.sleep(max(HEARTBEAT_MIN_INTERVAL_S, clock.remaining_s / 3))
+        sent = time.monotonic()
         try:
             resp = await leg.peer.lease_calls.notify(own.notify(pb.NOTIFY_KIND_HEARTBEAT, leg.peer.epoch),
                                                      traceparent=own.traceparent)
@@ -283,7 +301,7 @@ async def heartbeat(leg: Leg, own: Ownership, claimed: asyncio.Future[None] | No
             continue
         if resp.state not in (pb.LEASE_STATE_CLAIMED, pb.LEASE_STATE_OFFERED):
             return  # released meanwhile: the final notify will say so
-        clock.renew(resp.lease_remaining_ms)
+        clock.renew(resp.lease_remaining_ms, sent)
 
 
 async def abort_all(legs: list[Leg], own: Ownership, timeout_s: float) -> tuple[bool, list[str]]:

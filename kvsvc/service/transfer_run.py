@@ -10,7 +10,8 @@ A TransferRun goes through its phases in order:
    while it runs (the claim extends the lease, heartbeats keep it, a router can no longer
    abort it);
 4. confirm -- one lease message: claim-and-consumed after short READs, or the confirm of
-   the early claim; with content_digest, D hashes what landed meanwhile and checks it
+   the early claim (sent after the answer when D's clock proves P still held that claim
+   of a whole lease: see _confirm); with content_digest, D hashes what landed meanwhile and checks it
    against the digests P answered the claim with (service/content.py) -- for a progressive
    lease, those that came with its commits, checked over every chunk's READs.
 
@@ -86,6 +87,8 @@ MIN_DEADLINE_MARGIN_S = 0.05
 # How long D goes on telling P that a failed transfer let go (after its answer, when P
 # did not answer in time).
 ABORT_TIMEOUT_S = 2.0
+# How long the CONSUMED sent after a transfer's answer waits for P (_confirm_after_answer).
+CONFIRM_AFTER_ANSWER_TIMEOUT_S = 10.0
 # How long P's answers are waited for when the READs settled after the answer was due.
 LATE_ANSWER_WAIT_S = 0.2
 # How a failed READ is reported (the data plane's post errors and _all_read's).
@@ -332,9 +335,34 @@ class TransferRun:
         if any(leg.clock is not None and leg.clock.expired for leg in self.legs):
             raise FailedPrecondition(Reason.LEASE_EXPIRED, "the reads finished after the lease ran out",
                                      {"request_id": self.p.remote_request_id})
+        if self.growing is None and all(leg.clock is not None and leg.clock.holds for leg in self.legs):
+            # Every P server still holds our claim by D's own clock (LeaseClock.held_until),
+            # and a claimed lease made whole is released only by its claimant or its expiry:
+            # the READs that just ended read blocks nobody could free under them. The grant
+            # is the proof, and the CONSUMED goes after the answer, so a P whose loop is
+            # busy (prefilling the next requests) does not hold D's first token. Not for a
+            # progressive lease: its engine may withdraw it while claimed (preemption), and
+            # only P's answer says it did not.
+            self._inject("claim_lost")
+            self._keep(asyncio.ensure_future(self._confirm_after_answer()))
+            return
         await confirm_all(self.legs, self.own, self.rpc_timeout())
         self.recorded.append(functools.partial(self.node.metrics.lease_call, "confirm", time.perf_counter() - sent))
         self._inject("claim_lost")
+
+    async def _confirm_after_answer(self) -> None:
+        """The early claim's CONSUMED, sent once the transfer answered: P frees its blocks
+        now instead of at the lease's end. Failing is no failure of the transfer (its bytes
+        were proven by the claim): P then frees them when the lease runs out."""
+        assert self.own is not None
+        sent = time.perf_counter()
+        try:
+            await confirm_all(self.legs, self.own, CONFIRM_AFTER_ANSWER_TIMEOUT_S)
+        except Exception as e:
+            log.warning("transfer %s: P did not take the consumed report of %s (%s); its lease ends at its TTL",
+                        self.req.request_id, self.p.remote_request_id, e)
+            return
+        self.node.metrics.lease_call("confirm", time.perf_counter() - sent)
 
     # ---- injected faults (service/faults.py: tests only) -------------------------------
 

@@ -18,6 +18,7 @@ from kvsvc.client.attach import attach_pool
 from kvsvc.codec import layout_from_proto
 from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.regions import build_pool_layout
+from kvsvc.leases.records import LeaseState
 from kvsvc.transport.ports import Flight
 from kvsvc.v1 import kv_transfer_pb2 as pb
 from kvsvc.verify import RankMemory, check_rank, fill_rank
@@ -239,6 +240,33 @@ async def in_process_pair(name: str, d_overrides: Mapping[str, Any] | None = Non
     finally:
         await d.stop(0)
         await p.stop(0)
+
+
+async def lease_ended(p: Any, request_id: str) -> LeaseState:
+    """How request_id's lease on the in-process P server p ended, once it did -- an event
+    (the table's release stream, subscribed before looking), not a poll: a transfer's
+    answer may come before P heard its CONSUMED (RELIABILITY.md, promise 1)."""
+    sub = p.node.leases.subscribe()
+    try:
+        state = p.node.leases.final_state(request_id)
+        if state is not None:
+            return state
+        async for ev in sub:
+            if ev.request_id == request_id:
+                return p.node.leases.final_state(request_id)
+        raise AssertionError("the lease table closed before the lease ended")
+    finally:
+        sub.close()
+
+
+async def leases_drained(pc: AsyncClient, bound_s: float = 30.0) -> int:
+    """P's live leases, once none is left (or as many as there are after bound_s): a
+    transfer's answer may come before P heard its CONSUMED (RELIABILITY.md, promise 1), so a
+    check that P let go waits for P to have done so."""
+    deadline = time.monotonic() + bound_s
+    while (live := (await pc.get_info()).live_leases) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return live
 
 
 def same_block_bytes(pe: Engine, p_block: int, de: Engine, d_block: int) -> bool:

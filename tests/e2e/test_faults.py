@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.errors import KvsvcError
-from tests.e2e.harness import layout_table, session
+from tests.e2e.harness import layout_table, leases_drained, session
 
 LAYOUT = layout_table(k=4)
 # Transfer / lease i gets point i of its cycle: six faults, then two clean transfers.
@@ -37,7 +37,7 @@ async def test_every_fault_point_ends_its_transfer_typed_and_the_next_one_is_rig
                     assert not s.de.check([[10 + i, 18 + i]]), i  # what passes is right
                 except KvsvcError as e:
                     got.append(str(e.reason))
-                assert (await s.pc.get_info()).live_leases == 0, (i, got)  # P's lease ended either way
+                assert await leases_drained(s.pc) == 0, (i, got)  # P's lease ended either way
             assert got == WANT
     finally:
         p.stop()

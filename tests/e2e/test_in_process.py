@@ -15,7 +15,7 @@ from kvsvc.errors import KvsvcError, PermissionDenied, Unavailable
 from kvsvc.leases.table import LeaseState, NotifyKind
 from kvsvc.service.in_process import InProcessTransfers
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, HeldReads, in_process_pair, same_block_bytes
+from tests.e2e.harness import Engine, HeldReads, in_process_pair, lease_ended, same_block_bytes
 
 
 async def test_in_process_transfers_move_the_right_bytes_and_join_retries():
@@ -30,7 +30,7 @@ async def test_in_process_transfers_move_the_right_bytes_and_join_retries():
                                                 carrier.transfer("d-ip-1", pub.params, [[7, 9]], timeout_s=30))
             assert first == again and first.total_bytes > 0, "a retry joined the one job"
             assert same_block_bytes(pe, 3, de, 7) and same_block_bytes(pe, 5, de, 9)
-            assert p.node.leases.live_count == 0  # consumed once
+            assert await asyncio.wait_for(lease_ended(p, "ip-1"), 30) is LeaseState.CONSUMED  # consumed once
             await carrier.settled("d-ip-1")  # done: returns at once
 
             bad = await pc.publish_blocks("ip-2", [[4]])

@@ -22,10 +22,11 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import LEASE_NOT_YET_MADE, abort_published, heartbeat_published
 from kvsvc.errors import ErrorCode, FailedPrecondition, KvsvcError
+from kvsvc.leases.records import LeaseState
 from kvsvc.service import prefill
 from kvsvc.service.server import RunningServer
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import in_process_pair, same_block_bytes
+from tests.e2e.harness import in_process_pair, lease_ended, same_block_bytes
 from tests.e2e.test_read_then_claim import engines
 
 TOKEN = "5e" * 16
@@ -88,7 +89,7 @@ async def test_a_d_that_arrives_before_the_lease_waits_on_p_with_one_claim(carri
         await _lease(p, "late", 3)
         resp = await asyncio.wait_for(call, 30)
         assert resp.total_bytes > 0 and same_block_bytes(pe, 3, de, 4)
-        assert p.node.leases.live_count == 0, "consumed at once"
+        assert await asyncio.wait_for(lease_ended(p, "late"), 30) is LeaseState.CONSUMED
         assert seen.claims == 1, "one claim, held on P: D does not ask again"
         assert p.node.leases.arrivals.waiting == 0
         assert d_carriers(p) == {carrier}
@@ -114,7 +115,9 @@ async def test_a_waiting_claim_holds_up_no_other_call_on_its_stream(carrier):
         assert same_block_bytes(pe, 5, de, 6) and not late.done()
         await _lease(p, "late", 3)
         await asyncio.wait_for(late, 30)
-        assert same_block_bytes(pe, 3, de, 4) and p.node.leases.live_count == 0
+        assert same_block_bytes(pe, 3, de, 4)
+        assert await asyncio.wait_for(lease_ended(p, "late"), 30) is LeaseState.CONSUMED
+        assert p.node.leases.live_count == 0
         assert d_carriers(p) == {carrier}
 
 
@@ -136,6 +139,7 @@ async def test_waiting_claims_are_bounded_and_one_refused_is_given_up_on_p():
         await _lease(p, "one", 3)
         await asyncio.wait_for(first, 30)
         assert same_block_bytes(pe, 3, de, 4)
+        assert await asyncio.wait_for(lease_ended(p, "one"), 30) is LeaseState.CONSUMED
         assert p.node.leases.live_count == 0 and p.node.leases.arrivals.waiting == 0
 
 

@@ -21,9 +21,10 @@ import pytest
 from kvsvc.client import AsyncClient
 from kvsvc.client.leases import abort_published
 from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.leases.records import LeaseState
 from kvsvc.service.server import RunningServer
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import ClaimsSeen, Engine, HeldReads, in_process_pair, same_block_bytes
+from tests.e2e.harness import ClaimsSeen, Engine, HeldReads, in_process_pair, lease_ended, same_block_bytes
 
 
 class Gate:
@@ -109,7 +110,7 @@ async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes():
         resp = await call
         assert resp.total_bytes > 0
         assert same_block_bytes(pe, 3, de, 4)
-        assert p.node.leases.live_count == 0
+        assert await asyncio.wait_for(lease_ended(p, "long"), 30) is LeaseState.CONSUMED
 
 
 async def test_two_readers_of_one_lease_one_wins_and_the_other_is_refused():
@@ -123,6 +124,7 @@ async def test_two_readers_of_one_lease_one_wins_and_the_other_is_refused():
             refused = [r for r in out if isinstance(r, FailedPrecondition)]
             assert len(ok) == 1 and len(refused) == 1, out
             assert refused[0].reason in ("LEASE_CLAIMED", "LEASE_EXPIRED"), refused[0]
+            assert await asyncio.wait_for(lease_ended(p, f"dup{i}"), 30) is LeaseState.CONSUMED
         assert p.node.leases.live_count == 0
 
 

@@ -20,7 +20,7 @@ from kvsvc.leases.table import LeaseState
 from kvsvc.service import transfer_run
 from kvsvc.service.in_process import InProcessTransfers
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import HeldReads, in_process_pair, same_block_bytes
+from tests.e2e.harness import HeldReads, in_process_pair, lease_ended, same_block_bytes
 from tests.e2e.test_read_then_claim import engines
 
 
@@ -40,7 +40,7 @@ async def test_completed():
         resp = await dc.transfer("d-ok", pub.params, [[4]])
         assert resp.total_bytes > 0 and same_block_bytes(pe, 3, de, 4)
         assert (await dc.wait_transfer("d-ok")).state == pb.TRANSFER_STATE_SUCCEEDED
-        assert p.node.leases.final_state("ok") is LeaseState.CONSUMED
+        assert await asyncio.wait_for(lease_ended(p, "ok"), 30) is LeaseState.CONSUMED
 
 
 async def test_failed_before_any_read_is_settled_at_once_and_gives_p_its_lease_back():

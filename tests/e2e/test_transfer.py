@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.harness import layout_table, servers, session, transfer_and_check
+from tests.e2e.harness import layout_table, leases_drained, servers, session, transfer_and_check
 
 CASES = [
     pytest.param(2, 2, layout_table(k=4), id="equal-tp2"),
@@ -41,7 +41,7 @@ async def test_a_both_server_transfers_from_itself():
             pub = await c.publish_blocks("self", [[1, 2]])
             resp = await c.transfer("d-self", pub.params, [[5, 6]])
             assert resp.total_bytes > 0 and not engine.check([[5, 6]])
-            assert (await c.get_info()).live_leases == 0
+            assert await leases_drained(c) == 0
             engine.close()
     finally:
         assert sp.stop() == 0

@@ -26,7 +26,7 @@ from kvsvc.client.errors import error_from_status
 from kvsvc.errors import ErrorCode, KvsvcError
 from kvsvc.service import local_socket
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, in_process_pair, same_block_bytes
+from tests.e2e.harness import Engine, in_process_pair, leases_drained, same_block_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,7 +281,7 @@ async def test_a_full_socket_sends_its_clients_to_grpc(monkeypatch):
                     assert resp.total_bytes > 0 and channel.carrier == "grpc"
                 finally:
                     await channel.close()
-                assert (await pc.get_info()).live_leases == 0, "D's claim reached P over gRPC"
+                assert await leases_drained(pc) == 0, "D's claim reached P over gRPC"
                 peers = list(d.decoder.peers._peers.values())
                 assert peers and all(peer.lease_calls.carrier == "grpc" for peer in peers)
         finally:

@@ -31,7 +31,7 @@ from kvsvc.errors import ErrorCode, FailedPrecondition, InvalidArgument, KvsvcEr
 from kvsvc.layout import layout_from_dict
 from kvsvc.service.transfer_run import ABORT_TIMEOUT_S
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import Engine, ReleaseWatch, in_process_pair, layout_table, servers, session
+from tests.e2e.harness import Engine, ReleaseWatch, in_process_pair, layout_table, leases_drained, servers, session
 from tests.e2e.stamps import holds, stamp
 from tests.e2e.test_read_then_claim import engines
 
@@ -75,7 +75,7 @@ async def test_concurrent_duplicate_transfers_never_report_wrong_bytes():
                 for r in (first, other):
                     if isinstance(r, BaseException):
                         assert isinstance(r, KvsvcError) and r.reason in ("LEASE_CLAIMED", "LEASE_EXPIRED"), r
-                assert (await s.pc.get_info()).live_leases == 0
+                assert await leases_drained(s.pc) == 0
 
 
 async def _reuse_on_release(watch: ReleaseWatch, rid: str, mem, ids: list[int]) -> None:
@@ -469,7 +469,7 @@ async def test_decode_engine_split_over_two_servers_claims_disjoint_ranks():
             pub = await pc.publish_blocks("split", [[4, 5]])
             await asyncio.gather(c0.transfer("d-split", pub.params, [[1, 2]]),
                                  c1.transfer("d-split", pub.params, [[1, 2]]))
-            assert (await pc.get_info()).live_leases == 0
+            assert await leases_drained(pc) == 0
             pe.close()
     finally:
         for sp in (d1, d0, p):
