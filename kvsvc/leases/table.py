@@ -64,6 +64,9 @@ TOMBSTONES_MAX = 100_000
 # expires; keeping blocks longer is always safe, expiring a lease D kept renewing is not.
 LOOP_STALL_S = 0.25
 MAX_STALL_GRACE_S = 60.0
+# A drain that ran out holds claimed leases to their deadlines; it gives up on the reaper
+# this long after the last of them (a reaper that is not running).
+DEADLINE_HOLD_SLACK_S = 5.0
 
 
 def _check_token(lease: Lease, token: str) -> None:
@@ -110,6 +113,7 @@ class LeaseTable:
     _claimed: int = 0
     _serial: int = 0  # leases made so far: the last one's serial
     _no_claims: asyncio.Event = field(default_factory=asyncio.Event)
+    _held_to_deadlines: bool = False  # a drain ran out: no renewal extends a lease any more
     accepting: bool = True
     # Claims waiting for leases not made yet (ClaimLeaseRequest.wait_ms): woken by the
     # publish or refusal of their request id.
@@ -145,12 +149,27 @@ class LeaseTable:
         """
         self.accepting = False
         self.arrivals.close()  # no lease will be made now: claims waiting for one end
-        if self._claimed:
-            try:
-                await asyncio.wait_for(self._no_claims.wait(), timeout_s)
-            except TimeoutError:
-                log.warning("%d leases still claimed after %.1f s of draining", self._claimed, timeout_s)
-        return self._claimed
+        if not self._claimed:
+            return 0
+        try:
+            await asyncio.wait_for(self._no_claims.wait(), timeout_s)
+            return 0
+        except TimeoutError:
+            left = self._claimed
+        # A D whose claim holds by its own clock takes the grant as the proof of its READs
+        # (transfer_run._confirm): its blocks stay leased until the claim's deadline, which no
+        # renewal moves now, and the server stops only then.
+        self._held_to_deadlines = True
+        last = max((lease.expires_at for lease in self._live.values() if lease.state is LeaseState.CLAIMED),
+                   default=time.monotonic())
+        log.warning("%d leases still claimed after %.1f s of draining: held, without renewal, until their claims run "
+                    "out (%.1f s at most)", left, timeout_s, max(0.0, last - time.monotonic()))
+        try:
+            async with asyncio.timeout(max(0.0, last - time.monotonic()) + DEADLINE_HOLD_SLACK_S):
+                await self._no_claims.wait()  # the reaper expires them at their deadlines
+        except TimeoutError:
+            log.error("%d claimed leases outlived their deadlines while draining", self._claimed)
+        return left
 
     # ---- operations -----------------------------------------------------------------
 
@@ -509,6 +528,8 @@ class LeaseTable:
                              code=ErrorCode.RESOURCE_EXHAUSTED)
 
     def _extend(self, lease: Lease, extend_s: float | None) -> None:
+        if self._held_to_deadlines:  # a drain ran out: claims end at the deadlines D was told
+            return
         ttl = min(extend_s or self.default_ttl_s, self.max_ttl_s)
         lease.expires_at = max(lease.expires_at, time.monotonic() + ttl)
         self._graced.discard(lease.request_id)
@@ -568,7 +589,7 @@ class LeaseTable:
         MAX_STALL_GRACE_S), once per stall and once per renewal (a loop late all the time
         does not keep a lease nobody renews)."""
         planned = self._planned
-        if planned is None or now - planned <= LOOP_STALL_S:
+        if planned is None or now - planned <= LOOP_STALL_S or self._held_to_deadlines:
             return
         self._planned = None
         grace = min(now - planned, MAX_STALL_GRACE_S)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvsvc.errors import InvalidArgument, Unavailable
-from kvsvc.leases.table import LeaseState
+from kvsvc.leases.table import LeaseState, NotifyKind
 from kvsvc.reasons import Reason
 from kvsvc.service import legs, transfer_run
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -106,6 +106,9 @@ async def test_a_confirm_p_never_takes_leaves_the_transfer_good_and_the_lease_to
         assert any("its lease ends at its TTL" in r.getMessage() for r in caplog.records)
         lease = p.node.leases.get("lost")
         assert lease is not None and lease.state is LeaseState.CLAIMED  # freed when its TTL runs out
+        # (ended here by its claimant, as D would on its next word: a stopping P holds a
+        # claimed lease to its deadline)
+        p.node.leases.notify("lost", NotifyKind.ABORTED, [], p.node.epoch, claim_id=next(iter(lease.claims)))
 
 
 async def test_p_refuses_an_early_claim_that_reads_a_progressive_lease_whole():

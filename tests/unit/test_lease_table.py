@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -170,6 +171,37 @@ async def test_drain_refuses_publishes_and_waits_for_claims(table):
     assert e.value.reason == "SHUTTING_DOWN"
     table.notify("r", CONSUMED, [0, 1], 7, claim_id=CLAIM_A)
     assert await asyncio.wait_for(drain, 1.0) == 0
+
+
+async def test_a_drain_that_runs_out_holds_claims_to_their_deadlines_without_renewal():
+    """D may answer on its claim's deadline alone (RELIABILITY.md, promise 1): a server whose
+    drain ran out stops only once its claimed leases reached the deadlines D was told, and
+    no renewal moves them meanwhile; the unclaimed lease is not waited for."""
+    t = LeaseTable(epoch=7, hosted_ranks=[0], tp_size=1, default_ttl_s=0.3, max_ttl_s=60.0)
+    t.start()
+    try:
+        t.publish("r", [[1]], None)
+        t.publish("idle", [[2]], None)
+        lease = claim(t, "r", tp=1)
+        told = lease.expires_at  # what the claim's answer told D
+        sub = t.subscribe()
+        drain = asyncio.ensure_future(t.drain(0.0))
+        for _ in range(100):  # loop turns (no clock) until the drain ran out and holds the claim
+            if t._held_to_deadlines:
+                break
+            await asyncio.sleep(0)
+        assert t._held_to_deadlines
+        t.notify("r", HEARTBEAT, [], 7, claim_id=CLAIM_A)
+        assert t.get("r").expires_at == told, "a renewal moved a deadline D may rely on"
+        assert await asyncio.wait_for(drain, 10) == 1  # one lease was still claimed when it ran out
+        assert t.final_state("r") is LeaseState.EXPIRED, "the drain ended before the claim did"
+        async for ev in sub:
+            if ev.request_id == "r":
+                break
+        assert t.final_state("r") is LeaseState.EXPIRED and ev.released_unix_ms > 0
+        assert time.monotonic() >= told, "released before the deadline D was told"
+    finally:
+        await t.close()
 
 
 async def test_abort_releases_and_epoch_mismatch_reports_expired(table):
