@@ -67,8 +67,12 @@ class RunningServer:
     transfer_socket: TransferSocket | None = None
     _stopped: bool = False
 
-    async def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
-        """Idempotent shutdown, in order: NOT_SERVING, drain leases, drain RPCs, stop, release the node."""
+    async def stop(self, grace_s: float | None = None, drain_s: float | None = None, hold_claims: bool = True) -> None:
+        """Idempotent shutdown, in order: NOT_SERVING, drain leases, drain RPCs, stop, release the node.
+
+        hold_claims=False: leases still claimed when the drain runs out are not held to their
+        deadlines (LeaseTable.drain) -- for a process whose memory goes with it, e.g. a test's
+        servers; an engine that goes on after its server stopped must keep it True."""
         if self._stopped:
             return
         self._stopped = True
@@ -76,7 +80,8 @@ class RunningServer:
             await self.registration.stop()
         await self.health.enter_graceful_shutdown()  # 1. routers stop sending new work
         # 2. no new publishes; claimed leases (D may be reading them) get drain_s to finish
-        await self.node.leases.drain(self.node.config.drain_timeout_s if drain_s is None else drain_s)
+        await self.node.leases.drain(self.node.config.drain_timeout_s if drain_s is None else drain_s,
+                                     hold_claims=hold_claims)
         await self.servicer.close_lease_channels()  # D's notifications for those came in on them
         if self.lease_socket is not None:
             await self.lease_socket.close()
