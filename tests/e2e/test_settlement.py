@@ -57,9 +57,12 @@ async def test_failed_before_any_read_is_settled_at_once_and_gives_p_its_lease_b
 
 
 @pytest.mark.parametrize("how", ["read failed", "cancelled"])
-async def test_failed_or_cancelled_in_flight_is_answered_only_once_its_reads_ended(how):
+async def test_failed_or_cancelled_in_flight_is_answered_only_once_its_reads_ended(how, monkeypatch):
     """The claim refused after the READ (the lease aborted meanwhile), or the caller gone:
     the answer (or WaitTransfer's FAILED) comes only after the READ ended; P is told."""
+    # The held READ claims nothing while it runs (a claim would win over the router's
+    # abort, however slow the machine): it ends only when released below, then claims.
+    monkeypatch.setattr(transfer_run, "EARLY_CLAIM_S", 3600.0)
     async with in_process_pair("st") as (p, d), engines(p, d) as (pc, dc, _pe, _de):
         reads = HeldReads(d)
         pub = await pc.publish_blocks("mid", [[3]])
