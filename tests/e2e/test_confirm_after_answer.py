@@ -23,8 +23,8 @@ from kvsvc.leases.table import LeaseState, NotifyKind
 from kvsvc.reasons import Reason
 from kvsvc.service import legs, transfer_run
 from kvsvc.v1 import kv_transfer_pb2 as pb
-from tests.e2e.harness import ClaimsSeen, HeldReads, in_process_pair, lease_ended, same_block_bytes
-from tests.e2e.test_read_then_claim import engines
+from tests.e2e.harness import in_process_pair, lease_ended, same_block_bytes
+from tests.e2e.test_read_then_claim import engines, held_past_early_claim
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,20 +50,11 @@ class HeldConfirms:
         self.opened.set()
 
 
-async def long_transfer(p: Any, d: Any, pc: Any, dc: Any, request_id: str) -> tuple[asyncio.Future[pb.TransferResponse], HeldReads]:
-    """A transfer whose READ is held until P granted its early claim (events, not time)."""
-    pub = await pc.publish_blocks(request_id, [[3]])
-    reads, claims = HeldReads(d), ClaimsSeen(p)
-    call = asyncio.ensure_future(dc.transfer(f"d-{request_id}", pub.params, [[4]]))
-    await asyncio.wait_for(claims.granted(request_id).wait(), 30)
-    return call, reads
-
-
 async def test_a_held_claim_answers_before_p_confirms_and_p_frees_the_blocks_after(monkeypatch):
     async with in_process_pair("caa") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         confirms = HeldConfirms(monkeypatch)
-        call, reads = await long_transfer(p, d, pc, dc, "early")
+        _pub, call, reads = await held_past_early_claim(p, d, pc, dc, "early")
         reads.release()
         resp = await asyncio.wait_for(call, 30)  # answered while P's confirm is held
         assert resp.total_bytes > 0 and same_block_bytes(pe, 3, de, 4)
@@ -81,7 +72,7 @@ async def test_without_that_proof_d_waits_for_p(monkeypatch):
     async with in_process_pair("caa") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         confirms = HeldConfirms(monkeypatch)
-        call, reads = await long_transfer(p, d, pc, dc, "waits")
+        _pub, call, reads = await held_past_early_claim(p, d, pc, dc, "waits")
         reads.release()
         await asyncio.wait_for(confirms.entered.wait(), 30)
         assert not call.done(), "answered before P confirmed, without proof that P held the lease"
@@ -95,7 +86,7 @@ async def test_a_confirm_p_never_takes_leaves_the_transfer_good_and_the_lease_to
     async with in_process_pair("caa") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
         confirms = HeldConfirms(monkeypatch, fail=Unavailable(Reason.PEER_UNAVAILABLE, "injected: P is gone"))
-        call, reads = await long_transfer(p, d, pc, dc, "lost")
+        _pub, call, reads = await held_past_early_claim(p, d, pc, dc, "lost")
         reads.release()
         resp = await asyncio.wait_for(call, 30)
         assert resp.total_bytes > 0 and same_block_bytes(pe, 3, de, 4)

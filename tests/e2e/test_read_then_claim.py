@@ -65,6 +65,17 @@ async def engines(p: RunningServer, d: RunningServer) -> AsyncIterator[tuple[Asy
             de.close()
 
 
+async def held_past_early_claim(p: RunningServer, d: RunningServer, pc: AsyncClient, dc: AsyncClient, request_id: str,
+                                ) -> tuple[pb.PublishBlocksResponse, asyncio.Future[pb.TransferResponse], HeldReads]:
+    """Publish P's block 3 as request_id and start D's transfer of it into block 4, its READ
+    held (HeldReads) until P granted the early claim: returned once it did (events, not time)."""
+    pub = await pc.publish_blocks(request_id, [[3]])
+    reads, claims = HeldReads(d), ClaimsSeen(p)
+    call = asyncio.ensure_future(dc.transfer(f"d-{request_id}", pub.params, [[4]]))
+    await asyncio.wait_for(claims.granted(request_id).wait(), 30)
+    return pub, call, reads
+
+
 async def test_a_lease_released_while_d_reads_fails_the_transfer_and_never_passes_new_bytes():
     async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, _de):
         pe.fill([[3]])
@@ -100,10 +111,7 @@ async def test_a_read_held_past_the_early_claim_owns_the_lease_and_its_bytes():
     not a clock), so the early claim is certain however fast the machine."""
     async with in_process_pair("rtc") as (p, d), engines(p, d) as (pc, dc, pe, de):
         pe.fill([[3]])
-        pub = await pc.publish_blocks("long", [[3]])
-        reads, claims = HeldReads(d), ClaimsSeen(p)
-        call = asyncio.ensure_future(dc.transfer("d-long", pub.params, [[4]]))
-        await asyncio.wait_for(claims.granted("long").wait(), 30)
+        pub, call, reads = await held_past_early_claim(p, d, pc, dc, "long")
         assert not call.done(), "the transfer answered before its READ completed"
         assert await abort_published(pub.params) == {f"127.0.0.1:{p.port}": "LEASE_NOT_OWNER"}
         reads.release()
