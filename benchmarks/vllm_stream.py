@@ -23,7 +23,10 @@ Per prompt length and concurrency: TTFT (send to D's first token) and the tail (
 to D's first token: what the handover adds after prefill), p50 and max over the samples
 (too few for a p99: the max is given as such); the transfer's own time (D's connector
 histogram, call to answer) and, for kvsvc, its wire time (READs posted to landed); the
-chunks D read while P still prefilled. The hidden fraction is 1 - tail(stream)/tail(pull).
+chunks D read while P still prefilled. The tail hidden is 1 - tail(stream)/tail(pull); the tail
+also holds D's own step that computes the first token, which no transfer takes off. The
+transfer hidden is 1 - (a streamed transfer's time after D heard of P's final commit) / (a
+pulled transfer's time, call to answer), both D's connector's own figures, per cell.
 """
 
 from __future__ import annotations
@@ -169,8 +172,11 @@ OVERHEAD_LE = ("0.00025", "0.0005", "0.001", "0.0015", "0.002", "0.003", "0.005"
                "0.1", "+Inf")
 REPORT_LE = ("0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "+Inf")
 D_COUNTERS = ("xfer_sum", "xfer_count", "wire_sum", "wire_count", "report_sum", "report_count", "overhead_sum",
-              "overhead_count", "growing", "final", "p_cpu", "d_cpu", *(f"overhead_le_{b}" for b in OVERHEAD_LE),
+              "overhead_count", "after_final_sum", "after_final_count", "growing", "final", "p_cpu", "d_cpu",
+              *(f"overhead_le_{b}" for b in OVERHEAD_LE),
               *(f"report_le_{b}" for b in REPORT_LE))
+
+CELL_COUNTERS = ("xfer_sum", "xfer_count", "after_final_sum", "after_final_count")
 
 
 def buckets(s: Served, name: str) -> dict[str, float]:
@@ -199,10 +205,12 @@ def d_counters(p: Served, d: Served, xfer_histogram: str) -> dict[str, float]:
     xfer, wire = histogram(d, xfer_histogram), histogram(d, "vllm:kvsvc_wire_time_seconds")
     report, m = histogram(d, "vllm:kvsvc_report_delay_seconds"), d.metrics()
     overhead = histogram(d, "vllm:kvsvc_overhead_seconds")
+    after_final = histogram(d, "vllm:kvsvc_stream_after_final_seconds")
     over_le, report_le = buckets(d, "vllm:kvsvc_overhead_seconds"), buckets(d, "vllm:kvsvc_report_delay_seconds")
     return {"xfer_sum": xfer[0], "xfer_count": xfer[1], "wire_sum": wire[0], "wire_count": wire[1],
             "report_sum": report[0], "report_count": report[1], "overhead_sum": overhead[0],
-            "overhead_count": overhead[1], **{f"overhead_le_{b}": over_le.get(b, 0.0) for b in OVERHEAD_LE},
+            "overhead_count": overhead[1], "after_final_sum": after_final[0], "after_final_count": after_final[1],
+            **{f"overhead_le_{b}": over_le.get(b, 0.0) for b in OVERHEAD_LE},
             **{f"report_le_{b}": report_le.get(b, 0.0) for b in REPORT_LE},
             "growing": m.get("vllm:kvsvc_streamed_chunks_growing_total", 0.0),
             "final": m.get("vllm:kvsvc_streamed_chunks_final_total", 0.0), "p_cpu": cpu_seconds(p),
@@ -218,7 +226,8 @@ def per_mode(c: dict[str, float]) -> dict[str, Any]:
 
     n = c["xfer_count"] or 1
     return {"transfers": int(c["xfer_count"]), "transfer_ms_mean": mean_ms("xfer"), "wire_ms_mean": mean_ms("wire"),
-            "overhead_ms_mean": mean_ms("overhead"), "overhead_ms_p50_at_most": p50_at_most(c, "overhead", OVERHEAD_LE),
+            "overhead_ms_mean": mean_ms("overhead"), "after_final_ms_mean": mean_ms("after_final"),
+            "overhead_ms_p50_at_most": p50_at_most(c, "overhead", OVERHEAD_LE),
             "report_delay_ms_mean": mean_ms("report"), "report_delay_ms_p50_at_most": p50_at_most(c, "report", REPORT_LE), "chunks_read_growing": int(c["growing"]),
             "chunks_read_final": int(c["final"]), "p_cpu_s_per_request": round(c["p_cpu"] / n, 3),
             "d_cpu_s_per_request": round(c["d_cpu"] / n, 3)}
@@ -256,6 +265,7 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
         moved = {"p": pin(p, 0), "d": pin(d, 1)}  # after the first transfer: its threads exist now
         samples: dict[str, list[dict[str, float]]] = {}
         counted: dict[str, dict[str, float]] = {m: dict.fromkeys(D_COUNTERS, 0.0) for m in modes}
+        per_cell: dict[str, dict[str, float]] = {}  # the transfers' sums and counts, per mode and cell
         cpu0 = (cpu_seconds(p), cpu_seconds(d))
         for r in range(rounds):
             for length, inflight in cells:
@@ -266,12 +276,16 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
                     after = d_counters(p, d, conf["histogram"])
                     for k in D_COUNTERS:
                         counted[mode][k] += after[k] - before[k]
-                    samples.setdefault(f"{mode} {length} x{inflight}", []).extend(got)
+                    key = f"{mode} {length} x{inflight}"
+                    into = per_cell.setdefault(key, dict.fromkeys(CELL_COUNTERS, 0.0))
+                    for k in CELL_COUNTERS:
+                        into[k] += after[k] - before[k]
+                    samples.setdefault(key, []).extend(got)
                     print(f"  {mode}: {length} tokens x{inflight}: {summary(got)}", file=sys.stderr)
         cpu1 = (cpu_seconds(p), cpu_seconds(d))
         return {"cells": {k: summary(v) for k, v in samples.items()},
                 "samples": {k: [{x: round(v, 4) for x, v in one.items()} for one in got] for k, got in samples.items()},
-                "per_mode": {m: per_mode(c) for m, c in counted.items()},
+                "per_mode": {m: per_mode(c) for m, c in counted.items()}, "per_cell": per_cell,
                 "threads_repinned": moved, "threads_off_cpu_after": {"p": off_cpu(p, 0), "d": off_cpu(d, 1)},
                 "p_cpu_s": round(cpu1[0] - cpu0[0], 1), "d_cpu_s": round(cpu1[1] - cpu0[1], 1)}
     finally:
@@ -280,14 +294,23 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
 
 
 def table(results: dict[str, Any], cells: list[tuple[int, int]]) -> str:
-    """The markdown table: per cell, TTFT and tail p50 (max) per mode, and the tail hidden."""
+    """The markdown table: per cell, TTFT and tail p50 (max) per mode, the tail hidden, and the
+    transfer hidden (D's connector's figures: streamed time after P's final commit against the
+    pulled transfer's time, means over both kvsvc runs)."""
     def cell(mode: str, length: int, inflight: int) -> dict[str, Any] | None:
         key = f"{mode} {length} x{inflight}"  # every run's samples of it (kvsvc's two runs)
         got = [x for r in results.values() if isinstance(r, dict) for x in r.get("samples", {}).get(key, ())]
         return summary(got) if got else None
 
+    def mean(mode: str, length: int, inflight: int, what: str) -> float | None:
+        key = f"{mode} {length} x{inflight}"
+        sums = [r["per_cell"][key] for r in results.values() if isinstance(r, dict) and key in r.get("per_cell", {})]
+        count = sum(c[f"{what}_count"] for c in sums)
+        return sum(c[f"{what}_sum"] for c in sums) / count if count else None
+
     rows = ["| prompt | in flight | TTFT p50 (max): pull | stream | NixlConnector | tail p50: pull | stream | "
-            "NixlConnector | tail hidden |", "|---:|---:|---|---|---|---:|---:|---:|---:|"]
+            "NixlConnector | tail hidden | transfer: pulled | streamed after prefill | transfer hidden |",
+            "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for length, inflight in cells:
         got = {m: cell(m, length, inflight) for m in ("pull", "stream", "nixl")}
         if any(v is None for v in got.values()):
@@ -295,7 +318,12 @@ def table(results: dict[str, Any], cells: list[tuple[int, int]]) -> str:
         ttft = [f"{got[m]['ttft_ms_p50']:.0f} ({got[m]['ttft_ms_max']:.0f}) ms" for m in ("pull", "stream", "nixl")]
         tail = [f"{got[m]['tail_ms_p50']:.0f} ms" for m in ("pull", "stream", "nixl")]
         hidden = 1 - got["stream"]["tail_ms_p50"] / got["pull"]["tail_ms_p50"] if got["pull"]["tail_ms_p50"] else 0
-        rows.append(f"| {length:,} | {inflight} | {' | '.join(ttft)} | {' | '.join(tail)} | {100 * hidden:.0f} % |")
+        pulled, after = mean("pull", length, inflight, "xfer"), mean("stream", length, inflight, "after_final")
+        moved = ["--", "--", "--"]
+        if pulled and after is not None:
+            moved = [f"{1e3 * pulled:.0f} ms", f"{1e3 * after:.0f} ms", f"{100 * (1 - after / pulled):.0f} %"]
+        rows.append(f"| {length:,} | {inflight} | {' | '.join(ttft)} | {' | '.join(tail)} | {100 * hidden:.0f} % | "
+                    f"{' | '.join(moved)} |")
     return "\n".join(rows)
 
 

@@ -131,6 +131,7 @@ class TransferRun:
         self.own: Ownership | None = None
         self.growing: ProgressiveBlocks | None = None  # a progressive lease's progress (plan: _follow)
         self.chunks = {False: 0, True: 0}  # chunks read while the lease grew (False) and after its final commit
+        self.final_heard: float | None = None  # when D heard of P's final commit (progressive)
         self.follower: CommitFollower
 
     # ---- phases ---------------------------------------------------------------------
@@ -273,6 +274,8 @@ class TransferRun:
                 raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the prefill engine had not committed the "
                                        "request's last blocks by the deadline",
                                        {"request_id": self.req.request_id, "commit_epoch": follower.epoch})
+            if follower.final and self.final_heard is None:
+                self.final_heard = time.perf_counter()  # what follows is the transfer's unhidden part
             _check_ended_reads(self.posted)  # a READ of an earlier chunk that failed ends the stream now
             chunk = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final)
             if chunk is None:
@@ -421,9 +424,11 @@ class TransferRun:
             r.bytes += x.nbytes
             r.num_descriptors += x.descriptors
             r.duration_us = max(r.duration_us, int(x.flight.result.result() * 1e6))
+        now = time.perf_counter()
         return pb.TransferResponse(ranks=list(per_rank.values()), total_bytes=sum(x.nbytes for x in self.posted),
-                                   duration_us=int((time.perf_counter() - self.started) * 1e6),
-                                   chunks_read_growing=self.chunks[False], chunks_read_final=self.chunks[True])
+                                   duration_us=int((now - self.started) * 1e6),
+                                   chunks_read_growing=self.chunks[False], chunks_read_final=self.chunks[True],
+                                   after_final_us=int((now - self.final_heard) * 1e6) if self.final_heard else 0)
 
     # ---- claims and failures ----------------------------------------------------------
 

@@ -962,18 +962,20 @@ class RankTransferResult(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
-    __slots__ = ("ranks", "total_bytes", "duration_us", "chunks_read_growing", "chunks_read_final")
+    __slots__ = ("ranks", "total_bytes", "duration_us", "chunks_read_growing", "chunks_read_final", "after_final_us")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_US_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_READ_GROWING_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_READ_FINAL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FINAL_US_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankTransferResult]
     total_bytes: int
     duration_us: int
     chunks_read_growing: int
     chunks_read_final: int
-    def __init__(self, ranks: _Optional[_Iterable[_Union[RankTransferResult, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., duration_us: _Optional[int] = ..., chunks_read_growing: _Optional[int] = ..., chunks_read_final: _Optional[int] = ...) -> None: ...
+    after_final_us: int
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankTransferResult, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., duration_us: _Optional[int] = ..., chunks_read_growing: _Optional[int] = ..., chunks_read_final: _Optional[int] = ..., after_final_us: _Optional[int] = ...) -> None: ...
 
 class TransferFailure(_message.Message):
     __slots__ = ("valid_local_block_ids_per_group", "remote_notified", "quarantined")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 
 import pytest
 
@@ -169,8 +170,13 @@ async def test_d_reads_each_chunk_while_p_still_prefills_and_consumes_the_lease_
             await s.pc.commit_blocks(committing(params, 2, [5, 6], 16))
             await landed_on_d(s, d_ids[:4])
             assert not moving.done()  # D waits for the tail: the lease is not final
+            final_sent = time.perf_counter()
             await s.pc.commit_blocks(committing(params, 3, [9], 18, final=True))
             resp = await asyncio.wait_for(moving, 60)
+            # What D reports as not hidden: from hearing of the final commit (after it was sent)
+            # to its answer (before it came here) -- never the time it spent waiting for P.
+            assert 0 < resp.after_final_us <= (time.perf_counter() - final_sent) * 1e6
+            assert (resp.chunks_read_growing, resp.chunks_read_final) == (2, 1)
             assert not s.de.check([d_ids], num_tokens=18)
             per_block = sum(r.block_len for r in s.de.mem[0].regions)
             assert resp.total_bytes == per_block * len(d_ids)  # each block read once
@@ -187,7 +193,8 @@ async def test_a_prefix_d_holds_is_not_read_and_a_lease_final_before_d_comes_is_
             params = (await s.pc.publish_blocks_request(opening("prefixed", [1, 2]))).params
             await s.pc.commit_blocks(committing(params, 2, [3, 4], 15, final=True))
             before = s.de.snapshot()
-            await s.dc.transfer("d-prefixed", params, [d_tail], local_prefix_tokens=8, timeout_s=60)
+            resp = await s.dc.transfer("d-prefixed", params, [d_tail], local_prefix_tokens=8, timeout_s=60)
+            assert 0 < resp.after_final_us <= resp.duration_us  # final before D came: nothing hidden
             assert not s.de.check([d_tail], [2], num_tokens=15)  # P's blocks 3 and 4, after D's 8 tokens
             s.de.restore_blocks(before, [d_tail])
             assert s.de.snapshot() == before  # nothing else on D was written

@@ -18,6 +18,7 @@ def one_worker_step():
     s.record_transfer(xfer_s=0.010, wire_s=0.004, nbytes=2**20, descriptors=3)
     s.record_report_delay(0.002)
     s.record_overhead(0.0015)
+    s.record_after_final(0.003)
     s.count("chunks_growing", 3)
     s.count("consumed")
     s.count("cancelled")
@@ -34,7 +35,7 @@ def test_aggregate_and_reduce_without_sharing_lists():
     assert r["Avg xfer time (ms)"] == 10.0 and r["Avg wire time (ms)"] == 4.0
     assert r["Avg MB per transfer"] == 1.0 and r["Throughput (MB/s)"] == 250.0  # 2 MiB over 8 ms of wire
     assert (r["Num KV consumed reqs"], r["Num cancelled transfers"], r["Num failed transfers"]) == (2, 2, 0)
-    assert r["Avg kvsvc overhead (ms)"] == 1.5
+    assert r["Avg kvsvc overhead (ms)"] == 1.5 and r["Avg streamed transfer after P's prefill (ms)"] == 3.0
     assert r["Avg report delay (ms)"] == 2.0 and r["Streamed chunks read while P prefilled"] == 6
     assert not b.is_empty() and KvsvcConnector.build_kv_connector_stats().is_empty()
 
@@ -58,6 +59,7 @@ def test_prometheus_metrics_carry_the_observations():
     assert abs(got["vllm:kvsvc_report_delay_seconds_sum"] - 0.004) < 1e-9
     assert got["vllm:kvsvc_streamed_chunks_growing_total"] == 6
     assert abs(got["vllm:kvsvc_overhead_seconds_sum"] - 0.003) < 1e-9
+    assert got["vllm:kvsvc_stream_after_final_seconds_count"] == 2
     buckets = {s.labels["le"]: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
                for s in f.samples if s.name == "vllm:kvsvc_overhead_seconds_bucket"}
     assert (buckets["0.001"], buckets["0.0015"], buckets["0.002"]) == (0, 2, 2)  # the 2 ms goal reads off a bucket

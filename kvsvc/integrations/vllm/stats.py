@@ -18,6 +18,7 @@ names sit next to vLLM's vllm:nixl_* ones and mean the same where both have them
     vllm:kvsvc_num_kv_expired_reqs       P: leases whose TTL ran out (no decode engine came)
     vllm:kvsvc_streamed_chunks_growing   D: chunks of streamed requests read while P still prefilled
     vllm:kvsvc_streamed_chunks_final     D: chunks of streamed requests read after P's last one
+    vllm:kvsvc_stream_after_final_seconds  D: a streamed Transfer, P's final commit heard -> answer
 
 P's counters count per worker (each worker's server holds its own lease of a request).
 """
@@ -35,7 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
-SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors", "report_delay_seconds", "overhead_seconds")
+SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors", "report_delay_seconds", "overhead_seconds",
+          "after_final_seconds")
 COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed", "chunks_growing", "chunks_final")
 RELEASES_COUNTED = frozenset({"consumed", "aborted", "expired"})  # how a lease ended (LeaseState values)
 
@@ -60,6 +62,9 @@ class KvsvcConnectorStats(KVConnectorStats):
 
     def record_overhead(self, seconds: float) -> None:
         self.data["overhead_seconds"].append(seconds)
+
+    def record_after_final(self, seconds: float) -> None:
+        self.data["after_final_seconds"].append(seconds)
 
     def record_report_delay(self, seconds: float) -> None:
         self.data["report_delay_seconds"].append(seconds)
@@ -108,6 +113,9 @@ class KvsvcConnectorStats(KVConnectorStats):
         if self.data["chunks_growing"] or self.data["chunks_final"]:
             out |= {"Streamed chunks read while P prefilled": self.data["chunks_growing"],
                     "Streamed chunks read after": self.data["chunks_final"]}
+        after = self.data["after_final_seconds"]
+        if after:
+            out["Avg streamed transfer after P's prefill (ms)"] = round(1e3 * sum(after) / len(after), 3)
         return out
 
 
@@ -134,6 +142,10 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
                 "minus the slowest rank's reads: claim, plan, confirm): kvsvc's share of the handover. Streamed "
                 "transfers, whose call waits for the prefill, are not counted.",
                 [0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1]),
+            "after_final_seconds": self._histogram(
+                "vllm:kvsvc_stream_after_final_seconds", "A streamed kvsvc Transfer's time after the decode "
+                "worker heard of the prefill's final commit, to its answer (the last chunk's reads and the "
+                "confirm): the part of the transfer not hidden behind the prefill.", seconds),
         }
         self._counts = {
             "failed": self._counter("vllm:kvsvc_num_failed_transfers",

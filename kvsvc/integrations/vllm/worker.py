@@ -429,6 +429,8 @@ class KvsvcWorker:
                                             nbytes=resp.total_bytes, descriptors=sum(r.num_descriptors for r in resp.ranks))
                 if not is_streamed(recv.params):  # a stream's call also waits for P's prefill
                     self._stats.record_overhead(max(0, resp.duration_us - wire_us) / 1e6)
+                elif resp.after_final_us:
+                    self._stats.record_after_final(resp.after_final_us / 1e6)
                 log.debug("kvsvc: %s loaded, %d bytes in %.2f ms", req_id, resp.total_bytes, resp.duration_us / 1e3)
             if recv.awaiting:  # a full local hit is not waited for: it only frees P's lease
                 self._recv_done.add(req_id)
