@@ -232,6 +232,8 @@ class Decoder:
         recorded.append(functools.partial(
             self.node.metrics.transfer_ok, peer_engine, time.perf_counter() - started, resp.total_bytes,
             sum(r.num_descriptors for r in resp.ranks), max((r.duration_us for r in resp.ranks), default=0) / 1e6))
+        if resp.after_final_us:
+            recorded.append(functools.partial(self.node.metrics.progressive_after_final, resp.after_final_us / 1e6))
         return resp
 
     async def _run(self, req: pb.TransferRequest, deadline: float,

@@ -72,6 +72,10 @@ class Metrics:
         self._progressive_reads = Counter("kvsvc_progressive_reads", "Chunks D read of progressive leases, by "
                                           "when (growing: before P's final commit; final: after it)",
                                           ["engine", "when"], registry=r)
+        self._after_final = Histogram("kvsvc_progressive_after_final_seconds", "Progressive transfers on the D "
+                                      "server: from hearing of P's final commit to the answer (the last chunk's "
+                                      "READs and the confirm) -- the part not hidden behind P's prefill",
+                                      ["engine"], buckets=SECONDS, registry=r)
         self._gauges: list[Gauge] = []
         self._http: Any = None
         self._seen: dict[str, set[str]] = {"peer_engine": set(), "reason": set()}
@@ -141,6 +145,9 @@ class Metrics:
 
     def committed(self, final: bool) -> None:
         self._child(self._commits, self.engine, "true" if final else "false").inc()
+
+    def progressive_after_final(self, seconds: float) -> None:
+        self._child(self._after_final, self.engine).observe(seconds)
 
     def progressive_read(self, growing: bool) -> None:
         self._child(self._progressive_reads, self.engine, "growing" if growing else "final").inc()

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvsvc.cli.procs import ServerProcess, start_server
 from kvsvc.client import AsyncClient
 from kvsvc.errors import FailedPrecondition, PermissionDenied
+from kvsvc.v1 import kv_transfer_pb2 as pb
 from tests.e2e.harness import layout_table
 
 LAYOUT = layout_table(k=4)
@@ -153,3 +154,28 @@ async def test_sigusr1_dumps_thread_stacks_and_task_chains():
             assert (await client.get_info()).engine_id == "stacks"
     finally:
         assert sp.stop() == 0
+
+
+async def test_a_progressive_transfer_reports_its_part_after_p_final_commit(tmp_path):
+    p, d = start("g-p", "prefill", tmp_path), start("g-d", "decode", tmp_path)
+    try:
+        async with AsyncClient(p.address) as pc, AsyncClient(d.address) as dc:
+            opened = await pc.publish_blocks_request(pb.PublishBlocksRequest(
+                request_id="grow", block_ids_per_group=[pb.BlockIds(block_ids=[1, 2])], num_tokens=8,
+                progressive=True))
+            await pc.commit_blocks(pb.CommitBlocksRequest(
+                request_id="grow", lease_token=opened.params.lease_token, commit_epoch=2,
+                block_ids_per_group=[pb.BlockIds(block_ids=[3])], num_tokens=12, final=True))
+            resp = await dc.transfer("d-grow", opened.params, [[10, 11, 12]])
+            pub = await pc.publish_blocks("whole", [[5, 6]])
+            await dc.transfer("d-whole", pub.params, [[20, 21]])
+        ds = scrape(metrics_url(d))
+        # One observation, the progressive transfer's (final before D came: all of it after);
+        # the whole lease's transfer has no final commit and adds none.
+        assert value(ds, "kvsvc_progressive_after_final_seconds_count", engine="g-d") == 1
+        assert value(ds, "kvsvc_progressive_after_final_seconds_sum", engine="g-d") == pytest.approx(
+            resp.after_final_us / 1e6)
+        assert value(ds, "kvsvc_progressive_reads_total", engine="g-d", when="final") == 1
+    finally:
+        p.stop()
+        d.stop()
