@@ -149,7 +149,9 @@ def run_backend(name: str, a: Host, b: Host, logs: Path, batches: list[tuple[str
                 "kvsvc": {"transfers": int(kv["count"]),
                           "transfer_ms_mean": round(1e3 * kv["sum"] / kv["count"], 2) if kv["count"] else None,
                           "wire_ms_mean": round(1e3 * kv["wire_sum"] / kv["count"], 2) if kv["count"] else None,
-                          "chunks_read_growing": int(kv["growing"]), "chunks_read_final": int(kv["final"])}
+                          "chunks_read_growing": int(kv["growing"]), "chunks_read_final": int(kv["final"]),
+                          "after_final_ms_mean": round(1e3 * kv["after_sum"] / kv["after_count"], 2)
+                          if kv["after_count"] else None}
                 if backend == "kvsvc" else None,
                 "p_cpu_s_per_request": round((cpu1[0] - cpu0[0]) / n, 3),
                 "d_cpu_s_per_request": round((cpu1[1] - cpu0[1]) / n, 3)}
@@ -160,8 +162,9 @@ def run_backend(name: str, a: Host, b: Host, logs: Path, batches: list[tuple[str
 
 def kvsvc_figures(d: Served) -> dict[str, float]:
     """D's embedded kvsvc servers so far (zeros under SGLang's own backend): transfers, their
-    time and wire time, and chunks read while P still prefilled (growing) or after (final)."""
-    out = dict.fromkeys(("sum", "count", "wire_sum", "growing", "final"), 0.0)
+    time and wire time, chunks read while P still prefilled (growing) or after (final), and a
+    streamed transfer's time after D heard of P's final commit (what streaming did not hide)."""
+    out = dict.fromkeys(("sum", "count", "wire_sum", "growing", "final", "after_sum", "after_count"), 0.0)
     for _, url in kvsvc_servers(d).values():
         if url:
             out["sum"] += metric(url, "kvsvc_transfer_seconds_sum")
@@ -169,6 +172,8 @@ def kvsvc_figures(d: Served) -> dict[str, float]:
             out["wire_sum"] += metric(url, "kvsvc_transfer_wire_seconds_sum")
             out["growing"] += metric(url, "kvsvc_progressive_reads_total", when="growing")
             out["final"] += metric(url, "kvsvc_progressive_reads_total", when="final")
+            out["after_sum"] += metric(url, "kvsvc_progressive_after_final_seconds_sum")
+            out["after_count"] += metric(url, "kvsvc_progressive_after_final_seconds_count")
     return out
 
 

@@ -36,3 +36,6 @@ def test_a_short_run_measures_every_backend_across_two_hosts(tmp_path):
         assert got[backend]["cells"]["1024x1"]["n"] == 1
         assert not got[backend]["threads_off_cpu_after"]["p"] and not got[backend]["threads_off_cpu_after"]["d"]
     assert got["kvsvc"]["kvsvc"]["transfers"] >= 1 and got["nixl"]["kvsvc"] is None
+    streamed = got["kvsvc-stream"]["kvsvc"]
+    assert streamed["after_final_ms_mean"] is not None and streamed["after_final_ms_mean"] < streamed["transfer_ms_mean"]
+    assert got["kvsvc"]["kvsvc"]["after_final_ms_mean"] is None  # pulled: no final commit to hear of
