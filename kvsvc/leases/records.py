@@ -77,6 +77,9 @@ class Lease:
     content: Any = None
     fault: str = ""  # a fault this lease gets (service/faults.py; tests only)
     commits: CommitLog | None = None  # a progressive lease's commit epochs (leases/commits.py); None: made whole
+    # Claims of a progressive lease whose READs of what they were handed ended (WaitCommit
+    # reads_done): while every claim is, nobody reads the lease (LeaseTable.readable).
+    reads_done: set[str] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:

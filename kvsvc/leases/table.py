@@ -85,10 +85,12 @@ class LeaseTable:
     tp_size: int
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
-    # +1 when the first lease goes live, -1 when the last one is released: while any lease
-    # lives a D may be reading it (read first, claim after), and where UCX emulates a READ
-    # with messages (TCP between hosts, no RDMA) the bytes move only as often as this side
-    # progresses UCX, so the data plane's pump runs while this says so.
+    # +1 when the first lease a D may be reading goes live, -1 when the last one is released
+    # or goes quiet: a D may read a whole lease at any time while it lives (read first, claim
+    # after), a progressive one until every claimant said its READs ended and was handed
+    # nothing since (WaitCommit reads_done). Where UCX emulates a READ with messages (TCP
+    # between hosts, no RDMA) the bytes move only as often as this side progresses UCX, so
+    # the data plane's pump runs while this says so.
     on_live_change: Callable[[int], None] = lambda delta: None
     on_release: Callable[[LeaseState], None] = lambda reason: None
     max_live: int = 65_536
@@ -97,6 +99,7 @@ class LeaseTable:
     watch_backlog_bytes: int = MAX_WATCH_BACKLOG_BYTES
     max_claims_per_engine: int = 16_384  # claimed leases one D engine may hold at once
     _live: dict[str, Lease] = field(default_factory=dict)
+    _quiet: set[str] = field(default_factory=set)  # live progressive leases nobody reads now
     _claims_of: dict[str, int] = field(default_factory=dict)  # D engine id -> claimed leases it holds
     _holders: BlockHolders = field(default_factory=BlockHolders)  # live leases holding each block
     _dead: OrderedDict[str, Tombstone] = field(default_factory=OrderedDict)
@@ -210,9 +213,9 @@ class LeaseTable:
         lease = Lease(request_id, blocks, self.epoch, time.monotonic() + ttl, token or new_lease_token(),
                       digest=b"" if progressive else blocks_digest(blocks, num_tokens), serial=self._serial,
                       commits=CommitLog.opened(blocks, num_tokens) if progressive else None)
+        readable = self._readable()
         self._live[request_id] = lease
-        if len(self._live) == 1:
-            self.on_live_change(+1)
+        self._signal_readable(readable)
         self._holders.hold(blocks, +1)
         self._schedule(lease)
         self.arrivals.arrived(request_id)
@@ -249,20 +252,53 @@ class LeaseTable:
         return lease
 
     async def wait_commit(self, request_id: str, epoch: int, *, claim_id: str, d_engine_id: str, after_epoch: int,
-                          timeout_s: float) -> tuple[Lease, list[tuple[int, int]]]:
+                          timeout_s: float, reads_done: bool = False) -> tuple[Lease, list[tuple[int, int]]]:
         """D, holding claim_id's claim on a progressive lease: the lease and, per group, the
         (start, end) of its block ids committed after after_epoch -- at once when there are
         any (or the lease is final), else once the next commit comes or timeout_s passed
         (then none). Waiting renews the lease, as a heartbeat does. A lease released
-        meanwhile answers LEASE_EXPIRED with its final state."""
+        meanwhile answers LEASE_EXPIRED with its final state. reads_done: the claimant's READs
+        of what it was handed ended; the lease is quiet (no pump needed for it) while every
+        claimant's did and no answer handed it more."""
         lease = self._claimed_progressive(request_id, epoch, claim_id)
         if lease.commits is not None and lease.commits.epoch == after_epoch and not lease.commits.final:
+            if reads_done:  # (an answer given at once hands the claimant more to read)
+                lease.reads_done.add(claim_id)
+                self._requiet(lease)
             self._extend(lease, None)
             await self.commit_waits.wait(request_id, d_engine_id, timeout_s)
             lease = self._claimed_progressive(request_id, epoch, claim_id)
         assert lease.commits is not None
         self._extend(lease, None)
+        if lease.commits.epoch > after_epoch or lease.commits.final:  # D reads what this hands it
+            lease.reads_done.discard(claim_id)
+            self._requiet(lease)
         return lease, lease.commits.since(after_epoch)
+
+    def _readable(self) -> int:
+        """Live leases a D may be reading now (every live lease but the quiet ones)."""
+        return len(self._live) - len(self._quiet)
+
+    def _signal_readable(self, before: int) -> None:
+        after = self._readable()
+        if after and not before:
+            self.on_live_change(+1)
+        elif before and not after:
+            self.on_live_change(-1)
+
+    def _requiet(self, lease: Lease) -> None:
+        """A progressive lease is quiet while it has claims and every one of them said its
+        READs ended since it was last handed blocks; a new claim makes it readable again."""
+        quiet = lease.commits is not None and bool(lease.claims) and lease.claims.keys() <= lease.reads_done
+        rid = lease.request_id
+        if rid not in self._live or quiet == (rid in self._quiet):
+            return
+        before = self._readable()
+        if quiet:
+            self._quiet.add(rid)
+        else:
+            self._quiet.discard(rid)
+        self._signal_readable(before)
 
     def _claimed_progressive(self, request_id: str, epoch: int, claim_id: str) -> Lease:
         lease = self._live_lease(request_id, epoch)
@@ -367,6 +403,7 @@ class LeaseTable:
                                          "claimed by another transfer", {"request_id": request_id,
                                                                          "ranks": ",".join(map(str, taken[:8]))})
             lease.claims[claim_id] = Claim(claim_id, ranks)
+            self._requiet(lease)  # a new claimant may read at once
         if lease.state is LeaseState.OFFERED:
             lease.state = LeaseState.CLAIMED
             lease.d_engine_id, lease.d_tp_size, lease.d_dcp_size = d_engine_id, d_tp_size, d_dcp_size
@@ -559,8 +596,10 @@ class LeaseTable:
                 self._no_claims.set()
         lease.state = reason
         lease.released_unix_ms = unix_ms()
-        if self._live.pop(lease.request_id, None) is not None and not self._live:
-            self.on_live_change(-1)
+        readable = self._readable()
+        if self._live.pop(lease.request_id, None) is not None:
+            self._quiet.discard(lease.request_id)
+            self._signal_readable(readable)
         self._holders.hold(lease.block_ids, -1)
         self.commit_waits.arrived(lease.request_id)  # a D waiting for its next commit hears it ended
         # A tombstone keeps the final state only: block lists of released leases would

@@ -91,22 +91,24 @@ class CommitFollower:
                                   {"num_tokens": ",".join(str(c.num_tokens) for c in per_leg)})
         return out
 
-    async def wait(self, time_left_s: float) -> None:
+    async def wait(self, time_left_s: float, *, reads_done: bool = False) -> None:
         """The next commit of every P server whose lease is not final yet (answered at once
         where one came since the epoch D has), or until the wait ends with nothing new.
-        Errors are P's (LEASE_EXPIRED once the lease was released) or the call's."""
+        reads_done: every READ D posted of what it was handed has ended (P then need not
+        progress its data plane for this lease until it hands more). Errors are P's
+        (LEASE_EXPIRED once the lease was released) or the call's."""
         wait_s = max(0.0, min(COMMIT_WAIT_S, MAX_WAIT_MS / 1000, time_left_s - COMMIT_WAIT_MARGIN_S))
         behind = [leg for leg in self.legs if not self._of[id(leg)].final]
-        answers = await asyncio.gather(*(self._wait_one(leg, wait_s) for leg in behind))
+        answers = await asyncio.gather(*(self._wait_one(leg, wait_s, reads_done) for leg in behind))
         for leg, resp in zip(behind, answers, strict=True):
             self._take(leg, resp)
 
-    async def _wait_one(self, leg: Leg, wait_s: float) -> pb.WaitCommitResponse:
+    async def _wait_one(self, leg: Leg, wait_s: float, reads_done: bool) -> pb.WaitCommitResponse:
         p = self.own.params
         req = pb.WaitCommitRequest(request_id=p.remote_request_id, lease_epoch=leg.peer.epoch,
                                    engine_id=self.own.engine_id, claim_id=self.own.claim_id,
                                    after_epoch=self._of[id(leg)].epoch, wait_ms=int(wait_s * 1000),
-                                   want_content=self.want_content)
+                                   want_content=self.want_content, reads_done=reads_done)
         return await leg.peer.client.wait_commit(req, timeout_s=wait_s + COMMIT_WAIT_MARGIN_S)
 
     def _take(self, leg: Leg, resp: pb.WaitCommitResponse) -> None:

@@ -82,7 +82,7 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
         raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
     lease, since = await node.leases.wait_commit(req.request_id, req.lease_epoch, claim_id=req.claim_id,
                                                  d_engine_id=req.engine_id, after_epoch=req.after_epoch,
-                                                 timeout_s=req.wait_ms / 1000)
+                                                 timeout_s=req.wait_ms / 1000, reads_done=req.reads_done)
     assert lease.commits is not None
     blocks = [held[start:end] for held, (start, end) in zip(lease.block_ids, since, strict=True)]
     resp = pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,

@@ -268,7 +268,8 @@ class TransferRun:
         first = True
         while not growing.done:
             had = follower.epoch
-            await follower.wait(self._left())
+            await self._reads_ended()
+            await follower.wait(self._left(), reads_done=True)
             if follower.epoch == had and self._left() <= COMMIT_WAIT_MARGIN_S:
                 # Nothing new, and no time left to wait for it on P (never asked again at once).
                 raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the prefill engine had not committed the "
@@ -298,6 +299,21 @@ class TransferRun:
                                    {"request_id": self.req.request_id}) from e
         self.marks.append(("reads", time.perf_counter()))
         self._inject("read_error")
+
+    async def _reads_ended(self) -> None:
+        """Until the READs posted so far ended (failed ones are found after): D asks for the
+        next commit only then, saying so, and P -- over TCP, where its process moves a READ's
+        bytes -- progresses its data plane only while a READ of the lease may run, not for
+        the whole prefill. The next commit is not missed: P answers at once when one came."""
+        running = [x.flight.result for x in self.posted if not x.flight.result.done()]
+        if not running:
+            return
+        try:
+            async with asyncio.timeout(self._left()):
+                await asyncio.wait(running)  # cancels none of them, raises none of their errors
+        except TimeoutError as e:
+            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
+                                   {"request_id": self.req.request_id}) from e
 
     async def _wait(self) -> None:
         """Until the READs end; one still running after EARLY_CLAIM_S claims the lease meanwhile."""

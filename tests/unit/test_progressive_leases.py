@@ -231,3 +231,70 @@ async def test_an_engine_that_freed_the_blocks_revokes_even_a_final_claimed_leas
     assert state is LeaseState.ABORTED and table.get("f") is None and table.leased_blocks == 0
     state, _ = table.notify("f", NotifyKind.CONSUMED, [0], 3, claim_id=CLAIM)
     assert state is LeaseState.ABORTED, "the claimant's confirm must not find a consumed lease"
+
+
+@pytest.fixture
+async def pumped():
+    """A table whose on_live_change edges are recorded: +1 when the first lease a D may be
+    reading goes live, -1 when the last one is released or goes quiet (the data plane's
+    pump runs between)."""
+    edges: list[int] = []
+    t = LeaseTable(epoch=3, hosted_ranks=[0], tp_size=1, default_ttl_s=5.0, max_ttl_s=60.0,
+                   on_live_change=edges.append)
+    t.start()
+    yield t, edges
+    await t.close()
+
+
+async def wait_done(table, after, claim_id=CLAIM, reads_done=True):
+    return await table.wait_commit("r", 3, claim_id=claim_id, d_engine_id="D", after_epoch=after, timeout_s=5.0,
+                                   reads_done=reads_done)
+
+
+async def test_a_growing_lease_needs_the_pump_only_until_its_claimant_waits_with_its_reads_done(pumped):
+    table, edges = pumped
+    lease = opened(table)
+    assert edges == [+1]
+    await wait_done(table, after=0)  # answered at once, with the opening chunk: D reads it now
+    assert edges == [+1]
+    waiter = asyncio.ensure_future(wait_done(table, after=1))
+    await asyncio.sleep(0)  # the waiter holds its event now
+    assert edges == [+1, -1]  # D read all it was handed and waits: nobody reads the lease
+    commit(table, lease, 2, [[3], [8]])
+    await asyncio.wait_for(waiter, 5)
+    assert edges == [+1, -1, +1]  # the answer handed D a chunk to read
+    # A D that does not say its READs ended (an older one) keeps the pump running.
+    older = asyncio.ensure_future(wait_done(table, after=2, reads_done=False))
+    await asyncio.sleep(0)
+    assert not older.done() and edges == [+1, -1, +1]
+    commit(table, lease, 3, [[4], [9]], final=True)
+    await asyncio.wait_for(older, 5)
+    table.notify("r", NotifyKind.CONSUMED, [0], 3, claim_id=CLAIM)
+    assert edges == [+1, -1, +1, -1]
+
+
+async def test_a_whole_lease_keeps_the_pump_and_a_quiet_lease_released_leaves_no_second_edge(pumped):
+    table, edges = pumped
+    whole = table.publish("w", [[5]], None, num_tokens=16)
+    lease = opened(table)
+    waiter = asyncio.ensure_future(wait_done(table, after=1))
+    await asyncio.sleep(0)
+    assert edges == [+1]  # the growing lease is quiet, but D may read the whole one at any time
+    table.notify("w", NotifyKind.ABORTED, [], 3, token=whole.token)
+    assert edges == [+1, -1]
+    table.notify("r", NotifyKind.ABORTED, [], 3, token=lease.token, withdraw=True)  # P's engine takes it back
+    with pytest.raises(FailedPrecondition):
+        await asyncio.wait_for(waiter, 5)
+    assert edges == [+1, -1]  # it was quiet already: no edge for its release
+
+
+async def test_a_second_claimant_makes_a_quiet_lease_readable_again(pumped):
+    table, edges = pumped
+    lease = table.publish("r", [[1, 2], [7]], None, num_tokens=32, progressive=True)
+    table.claim("r", 3, token=lease.token, claim_id=CLAIM, d_engine_id="D", d_tp_size=2, d_ranks=[0])
+    waiter = asyncio.ensure_future(wait_done(table, after=1))
+    await asyncio.sleep(0)
+    assert edges == [+1, -1]
+    table.claim("r", 3, token=lease.token, claim_id=OTHER, d_engine_id="D", d_tp_size=2, d_ranks=[1])
+    assert edges == [+1, -1, +1]  # OTHER has read nothing yet, and may read what is committed at once
+    waiter.cancel()
