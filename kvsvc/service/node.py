@@ -152,13 +152,14 @@ class Node:
             pool.close()
 
     def _leases_live(self, delta: int) -> None:
-        # While any lease lives a peer may be reading it: keep our agents progressing. Over
-        # shared memory or RDMA a READ needs nothing of us, but where UCX carries it as
-        # messages (TCP between hosts) it moves only when we progress: with the idle beat
-        # alone a 1-block READ from another host took 12 ms instead of 1. Only the table's
-        # first lease and its last release come here: every job the NIXL thread gets
-        # restarts its pump at the shortest sleep, and one per lease kept a busy P pumping
-        # flat out. The pump then wakes every PROGRESS_MAX_SLEEP_S (4 % of a core here).
+        # While a peer may be reading a lease (any whole lease; a progressive one until its
+        # claimant waits with its READs done: LeaseTable.on_live_change), keep our agents
+        # progressing. Over shared memory or RDMA a READ needs nothing of us, but where UCX
+        # carries it as messages (TCP between hosts) it moves only when we progress: with the
+        # idle beat alone a 1-block READ from another host took 12 ms instead of 1. Only the
+        # first readable lease and the last one's end come here: every job the NIXL thread
+        # gets restarts its pump at the shortest sleep, and one per lease kept a busy P
+        # pumping flat out. The pump then wakes every PROGRESS_MAX_SLEEP_S (4 % of a core here).
         if self.data is not None:
             self.data.need_progress(delta)
 
