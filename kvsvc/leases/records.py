@@ -78,7 +78,7 @@ class Lease:
     fault: str = ""  # a fault this lease gets (service/faults.py; tests only)
     commits: CommitLog | None = None  # a progressive lease's commit epochs (leases/commits.py); None: made whole
     # Claims of a progressive lease whose READs of what they were handed ended (WaitCommit
-    # reads_done): while every claim is, nobody reads the lease (LeaseTable.readable).
+    # reads_done): while every claim is, nobody reads the lease (LeaseTable._requiet).
     reads_done: set[str] = field(default_factory=set)
 
     @property
