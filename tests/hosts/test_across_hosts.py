@@ -70,6 +70,33 @@ async def test_a_transfer_between_two_hosts_is_exact(p_tp, d_tp, layout, env):
         assert any("lease calls go over gRPC" in line for line in d.output), "".join(d.output[-40:])
 
 
+async def test_a_lease_streamed_between_two_hosts_over_tcp_is_exact():
+    """A growing lease read chunk by chunk over TCP, where P's process moves the bytes of each
+    READ as it progresses UCX -- which it does only while D may be reading: D asks for the
+    next commit once its READs ended (reads_done), and P then sleeps until it hands more."""
+    import asyncio
+
+    from tests.e2e.test_progressive import LAYOUT, claimed_on_p, committing, landed_on_d, opening
+
+    with hosts(2) as (a, b), across(a, b, 1, 1, LAYOUT, {"UCX_TLS": "tcp"}) as (p, d):
+        async with session(p, d, shm_dirs=(a.shm_dir, b.shm_dir)) as s:
+            p_ids, d_ids = [1, 2, 5, 6, 9], [11, 12, 13, 14, 15]
+            s.pe.fill([p_ids])
+            params = (await s.pc.publish_blocks_request(opening("stream", [1, 2]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-stream", params, [d_ids], timeout_s=60))
+            await claimed_on_p(s, "stream")
+            await landed_on_d(s, d_ids[:2])  # the first chunk, while P "prefills" the next
+            await s.pc.commit_blocks(committing(params, 2, [5, 6], 16))
+            await landed_on_d(s, d_ids[:4])
+            await s.pc.commit_blocks(committing(params, 3, [9], 18, final=True))
+            resp = await asyncio.wait_for(moving, 60)
+            assert not s.de.check([d_ids], num_tokens=18)
+            assert (resp.chunks_read_growing, resp.chunks_read_final) == (2, 1)
+            (ev,) = await s.watch.wait_for("stream")
+            assert ev.reason == pb.RELEASE_REASON_CONSUMED
+            assert (await s.pc.get_info()).live_leases == 0
+
+
 async def test_p_unplugged_during_a_transfer_fails_it_in_time_and_the_next_one_succeeds():
     """P's host loses its link while D reads (the cable of P's host pulled): D's transfer
     ends with a typed error by its deadline; the engine reuses its blocks only once D says
