@@ -295,8 +295,7 @@ class TransferRun:
             async with asyncio.timeout(self._left()):
                 await asyncio.shield(reads_done)
         except TimeoutError as e:
-            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
-                                   {"request_id": self.req.request_id}) from e
+            raise self._reads_late() from e
         self.marks.append(("reads", time.perf_counter()))
         self._inject("read_error")
 
@@ -312,8 +311,11 @@ class TransferRun:
             async with asyncio.timeout(self._left()):
                 await asyncio.wait(running)  # cancels none of them, raises none of their errors
         except TimeoutError as e:
-            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
-                                   {"request_id": self.req.request_id}) from e
+            raise self._reads_late() from e
+
+    def _reads_late(self) -> DeadlineExceeded:
+        return DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
+                                {"request_id": self.req.request_id})
 
     async def _wait(self) -> None:
         """Until the READs end; one still running after EARLY_CLAIM_S claims the lease meanwhile."""
@@ -335,8 +337,7 @@ class TransferRun:
             async with asyncio.timeout(self._left()):
                 await both
         except TimeoutError as e:
-            raise DeadlineExceeded(Reason.DEADLINE_EXCEEDED, "the reads did not finish before the deadline",
-                                   {"request_id": self.req.request_id}) from e
+            raise self._reads_late() from e
         finally:
             if both.done() and not both.cancelled():
                 both.exception()  # raised above, or a cancellation of its parts: seen either way
