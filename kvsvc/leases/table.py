@@ -227,11 +227,12 @@ class LeaseTable:
         return self._holders.leased_blocks
 
     def commit(self, request_id: str, epoch: int, *, token: str, commit_epoch: int, block_ids: list[list[int]],
-               num_tokens: int = 0, final: bool = False) -> Lease:
+               num_tokens: int = 0, final: bool = False, layers: tuple[int, ...] = ()) -> Lease:
         """Append one chunk's blocks (per group) to a progressive lease at commit_epoch (the
         next one; the last one again with the same blocks is a retry and changes nothing).
         Renews the lease; the final commit fixes the blocks a consumed claim must have read.
-        The engine commits only blocks whose KV is computed, and never rewrites them while
+        The engine commits only blocks whose KV is computed (layers: in the first layers of
+        each group so far, leases/commits.py), and never rewrites what it committed while
         the lease lives (as with any leased block)."""
         lease = self._live_lease(request_id, epoch, token)
         _check_token(lease, token)
@@ -239,12 +240,12 @@ class LeaseTable:
             raise FailedPrecondition(Reason.LEASE_NOT_PROGRESSIVE, f"request {request_id!r} was leased whole, not "
                                      "opened progressive: it takes no commits", {"request_id": request_id})
         appended = [np.asarray(ids, dtype=np.uint32) for ids in block_ids]
-        if not lease.commits.accept(request_id, lease.block_ids, commit_epoch, appended, num_tokens, final):
+        if not lease.commits.accept(request_id, lease.block_ids, commit_epoch, appended, num_tokens, final, layers):
             return lease  # a retry of a commit made
         self._check_block_quota(appended)
         self._holders.hold(appended, +1)
         lease.block_ids = [np.concatenate((held, more)) for held, more in zip(lease.block_ids, appended, strict=True)]
-        lease.commits.record(lease.block_ids, num_tokens, final)
+        lease.commits.record(lease.block_ids, num_tokens, final, layers)
         if final:
             lease.digest = blocks_digest(lease.block_ids, num_tokens)
         self._extend(lease, None)

@@ -42,12 +42,16 @@ class Side:
     # Per region, a number shared by the regions of one shape (geometry.region_shape): a
     # plan computes the reads of one region per shape and repeats them over the others.
     shape_ids: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    # Per region, its layer's place among its group's layers: a read of some layers only
+    # (a chunk committed layer by layer) keeps the regions of those.
+    layer_places: np.ndarray = field(init=False, compare=False, repr=False)
     # Hashed once: plans look their pair of sides up per request (_rank_work), and hashing
     # a layout's every region each time cost ~50 us for 80 layers.
     _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape_ids", _shape_ids(self.pool))
+        object.__setattr__(self, "layer_places", _layer_places(self.layout, self.pool))
         object.__setattr__(self, "_hash", hash((self.layout, self.tp_size, self.pool)))
 
     def __hash__(self) -> int:
@@ -61,6 +65,15 @@ class Side:
 def _shape_ids(pool: PoolLayout) -> tuple[int, ...]:
     ids: dict[tuple[object, ...], int] = {}
     return tuple(ids.setdefault(region_shape(r), len(ids)) for r in pool.regions)
+
+
+def _layer_places(layout: EngineLayout, pool: PoolLayout) -> np.ndarray:
+    places = [{name: i for i, (name, _) in enumerate(group.layers())} for group in layout.groups]
+    return np.array([places[r.group_index][r.layer_name] for r in pool.regions], dtype=np.int64)
+
+
+Layers = tuple[int, int | None]
+"""Layers [a, b) of every group (b None: to the group's last)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -274,24 +287,26 @@ def plan_rank(
     validated: bool = False,
     blocks: RequestBlocks | None = None,
     remote_num_tokens: int = 0,
+    layers: Layers | None = None,
 ) -> RankPlan:
     """The reads of local_rank; raises InvalidArgument / FailedPrecondition on bad input.
 
     Pass blocks (from prepare_blocks) to plan several ranks of one request without
-    checking its block ids again.
+    checking its block ids again. layers: read only those layers of each group (a chunk
+    committed layer by layer); local region i still reads remote region i, of one layer.
     """
     if not validated:
         validate_pair(local, remote)
     if blocks is None:
         blocks = prepare_blocks(local, remote, local_block_ids, remote_block_ids, remote_num_tokens)
     work = _rank_work(local, remote, local_rank)
-    one = _one_block_template(local, remote, local_rank) if _one_block_each(blocks) else None
-    reads = one.shifted(blocks) if one is not None else _plan_reads(local, remote, local_rank, work, blocks)
+    one = _one_block_template(local, remote, local_rank) if layers is None and _one_block_each(blocks) else None
+    reads = one.shifted(blocks) if one is not None else _plan_reads(local, remote, local_rank, work, blocks, layers)
     return RankPlan(local_rank, work.ratio, work.targets, work.mapping, reads, blocks.skipped)
 
 
 def _plan_reads(local: Side, remote: Side, local_rank: int, work: _RankWork,
-                blocks: RequestBlocks) -> tuple[Reads, ...]:
+                blocks: RequestBlocks, layers: Layers | None = None) -> tuple[Reads, ...]:
     mapping, ratio = work.mapping, work.ratio
     n = blocks.block_ratio
     ordered = n == 1 and not blocks.dcp  # DCP pairs keep the caller's order: sort when coalescing
@@ -303,11 +318,12 @@ def _plan_reads(local: Side, remote: Side, local_rank: int, work: _RankWork,
     for c in work.classes:
         a, b = c.local, c.remote
         lids, rids = blocks.ids[a.group_index]  # a class's regions share one group
-        if lids.size == 0:
+        members = c.members if layers is None else _of_layers(local, c.members, layers)
+        if lids.size == 0 or members.size == 0:
             continue
         grp = blocks.dcp[a.group_index] if blocks.dcp else None
         if grp is not None:
-            for i in c.members:
+            for i in members:
                 ai, bi = regions[i], remote_regions[i]
                 units: dict[int, list[Units]] = {}
                 for r in c.sources:  # each source fills the positions whose blocks it holds
@@ -321,8 +337,17 @@ def _plan_reads(local: Side, remote: Side, local_rank: int, work: _RankWork,
         made = (ssm_units(a, b, lids, rids, c.sources, local_rank, local.tp_size, remote.tp_size) if a.is_ssm
                 else attention_units(a, b, lids, rids, n, mapping, c.sources, ratio, runs=c.runs))
         for r, u in made.items():
-            per_rank.setdefault(r, []).append((coalesce(r, [u], ordered=ordered), c.members))
+            per_rank.setdefault(r, []).append((coalesce(r, [u], ordered=ordered), members))
     return tuple(repeat_over_regions(r, per_rank[r]) for r in sorted(per_rank))
+
+
+def _of_layers(side: Side, members: np.ndarray, layers: Layers) -> np.ndarray:
+    """The regions among members whose layer is in [a, b) of its group. The units a class
+    computes from its first region hold for every member (offsets are per region)."""
+    a, b = layers
+    places = side.layer_places[members]
+    keep = places >= a if b is None else (places >= a) & (places < b)
+    return members[keep]
 
 
 def _one_block_each(blocks: RequestBlocks) -> bool:

@@ -14,12 +14,18 @@ it holds committed tokens; before the final commit only blocks whole tokens cove
 (the commit rule says committed blocks never change, but a block the tokens do not fill
 yet would be read half-made if an engine broke it). An SSM group's state is one block the
 engine rewrites each chunk: it is read once, after the final commit.
+
+A chunk committed layer by layer (Partial) is read layer by layer: the blocks its tokens
+fill, in the layers written so far, and the rest of their layers once it is whole. A
+cursor keeps, past the blocks read whole, how many were read in their first layers and in
+how many; each answer of `next` is a list of Chunks, each read with one range of layers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,11 +41,31 @@ class GroupShape:
     covers_tokens: bool  # its blocks hold the request's tokens in order (attention, MLA)
 
 
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """A chunk committed layer by layer, as D has it of every P server (CommitFollower)."""
+
+    whole: tuple[int, ...]  # per group: committed blocks written in every layer (from the start)
+    whole_tokens: int  # the request's tokens every layer holds
+    layers: tuple[int, ...]  # per group: the layers the rest of the committed blocks hold
+
+
+class Chunk(NamedTuple):
+    """Blocks to read now, one list per group (local and remote paired from their starts),
+    in layers [a, b) of each group (None: every layer)."""
+
+    local: list[np.ndarray]
+    remote: list[np.ndarray]
+    layers: tuple[int, int | None] | None
+
+
 @dataclass
 class _Cursor:
     local: np.ndarray  # D's block ids for the part of the request it reads, in order
     skip: int  # P blocks before local's first (the prefix D holds)
-    read: int = 0  # local blocks handed out to read so far
+    read: int = 0  # local blocks handed out to read so far, in every layer
+    part: int = 0  # local blocks after those handed out in their first part_layers layers only
+    part_layers: int = 0
 
 
 class ProgressiveBlocks:
@@ -65,23 +91,61 @@ class ProgressiveBlocks:
         """Every local block was handed out, after the final commit."""
         return self.final_seen and all(c.read == c.local.size for c in self._cursors)
 
-    def next(self, committed: Sequence[np.ndarray], *, num_tokens: int,
-             final: bool) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-        """(local ids, remote ids) per group that can be read now and were not handed out
-        before; None when no group has any. committed: P's whole block list per group so
-        far; num_tokens: the tokens it holds. BLOCK_COUNT_MISMATCH when P's blocks and D's
-        cannot pair (D named fewer or more blocks than the request has)."""
-        local_out, remote_out = [], []
+    def next(self, committed: Sequence[np.ndarray], *, num_tokens: int, final: bool,
+             partial: Partial | None = None) -> list[Chunk]:
+        """What can be read now and was not handed out before ([]: nothing yet). committed:
+        P's whole block list per group so far; num_tokens: the tokens it holds (in the
+        partial chunk's first layers, where one is). BLOCK_COUNT_MISMATCH when P's blocks and
+        D's cannot pair (D named fewer or more blocks than the request has)."""
+        sets: dict[tuple[int, int | None] | None, Chunk] = {}
         for g, (cursor, shape, blocks) in enumerate(zip(self._cursors, self.shapes, committed, strict=True)):
-            ready, end = self._ready(g, cursor, shape, np.asarray(blocks), num_tokens, final)
-            start = cursor.skip + cursor.read * (1 if shape.whole_state else self.ratio)
-            local_out.append(cursor.local[cursor.read:ready])
-            remote_out.append(np.asarray(blocks, dtype=np.int64)[start:end])
-            cursor.read = ready
+            blocks = np.asarray(blocks, dtype=np.int64)
+            if partial is None or shape.whole_state:
+                whole, tokens = blocks, num_tokens
+            else:
+                whole, tokens = blocks[:partial.whole[g]], partial.whole_tokens
+            ready, end = self._ready(g, cursor, shape, whole, tokens, final)
+            was, done = cursor.read, min(cursor.read + cursor.part, ready)
+            if cursor.part and done > was:  # read before in their first layers: the rest now
+                self._add(sets, g, (cursor.part_layers, None), cursor, blocks, was, done, end)
+            self._add(sets, g, None, cursor, blocks, done, ready, end)
+            cursor.part, cursor.read = max(0, was + cursor.part - ready), ready
+            if cursor.part == 0:
+                cursor.part_layers = 0
+            if partial is not None and not shape.whole_state and not final:
+                self._some_layers(sets, g, cursor, shape, blocks, num_tokens, partial.layers[g])
         self.final_seen = self.final_seen or final
-        if not any(ids.size for ids in local_out):
-            return None
-        return local_out, remote_out
+        return list(sets.values())
+
+    def _some_layers(self, sets: dict[tuple[int, int | None] | None, Chunk], g: int, cursor: _Cursor,
+                     shape: GroupShape, blocks: np.ndarray, num_tokens: int, layers: int) -> None:
+        """The partial chunk's blocks its tokens fill, in the layers written so far: those
+        read in fewer layers before get the layers between, the others the first ones."""
+        if layers <= cursor.part_layers:
+            return  # nothing written since (or a layer count going back: never read twice)
+        ready, _ = self._ready(g, cursor, shape, blocks, num_tokens, False)
+        upto = cursor.read + cursor.part
+        if cursor.part:
+            self._add(sets, g, (cursor.part_layers, layers), cursor, blocks, cursor.read, upto, None)
+        if ready > upto:
+            self._add(sets, g, (0, layers), cursor, blocks, upto, ready, None)
+        if max(ready, upto) > cursor.read:
+            cursor.part, cursor.part_layers = max(ready, upto) - cursor.read, layers
+
+    def _add(self, sets: dict[tuple[int, int | None] | None, Chunk], g: int, layers: tuple[int, int | None] | None,
+             cursor: _Cursor, blocks: np.ndarray, first: int, last: int, end: int | None) -> None:
+        """Local blocks [first, last) of group g and the P blocks they hold (up to end, where
+        the final commit's last block is only partly D's), to be read in `layers`."""
+        if last <= first:
+            return
+        chunk = sets.get(layers)
+        if chunk is None:
+            n = len(self._cursors)
+            chunk = sets[layers] = Chunk([np.empty(0, np.int64)] * n, [np.empty(0, np.int64)] * n, layers)
+        step = 1 if self.shapes[g].whole_state else self.ratio
+        start, stop = cursor.skip + first * step, cursor.skip + last * step
+        chunk.local[g] = cursor.local[first:last]
+        chunk.remote[g] = blocks[start:stop if end is None else min(stop, end)]
 
     def _ready(self, g: int, cursor: _Cursor, shape: GroupShape, blocks: np.ndarray, num_tokens: int,
                final: bool) -> tuple[int, int]:

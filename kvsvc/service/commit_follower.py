@@ -24,7 +24,7 @@ from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.kinds import policy_of
 from kvsvc.layout.specs import SpecFamily
 from kvsvc.limits import MAX_WAIT_MS
-from kvsvc.mapping.progressive import GroupShape
+from kvsvc.mapping.progressive import GroupShape, Partial
 from kvsvc.reasons import Reason
 from kvsvc.service.legs import LeaseClock, Leg, Ownership
 from kvsvc.v1 import kv_transfer_pb2 as pb
@@ -48,6 +48,7 @@ class _LegCommits:
     final: bool = False
     num_tokens: int = 0
     blocks: list[np.ndarray] = field(default_factory=list)
+    partial: pb.PartialChunk | None = None  # the chunk it commits layer by layer, if any
     digests: dict[int, list[list[int]]] = field(default_factory=dict)  # per P rank, per group, from position 0
 
 
@@ -55,9 +56,12 @@ class CommitFollower:
     """What the P servers of one transfer committed, followed with WaitCommit (want_content:
     with the digests of the blocks made whole)."""
 
-    def __init__(self, legs: Sequence[Leg], own: Ownership, num_groups: int, *, want_content: bool = False) -> None:
+    def __init__(self, legs: Sequence[Leg], own: Ownership, group_layers: Sequence[int], *,
+                 want_content: bool = False) -> None:
+        """group_layers: per group of D's layout, its layers (P's layout has as many)."""
         self.legs, self.own, self.want_content = list(legs), own, want_content
-        self._of = {id(leg): _LegCommits(blocks=[np.empty(0, np.int64)] * num_groups) for leg in legs}
+        self.group_layers = tuple(group_layers)
+        self._of = {id(leg): _LegCommits(blocks=[np.empty(0, np.int64)] * len(group_layers)) for leg in legs}
 
     @property
     def epoch(self) -> int:
@@ -90,6 +94,19 @@ class CommitFollower:
                                   f"lengths for request {self.own.params.remote_request_id!r}",
                                   {"num_tokens": ",".join(str(c.num_tokens) for c in per_leg)})
         return out
+
+    def partial(self) -> Partial | None:
+        """The chunk committed layer by layer, as every P server has it (None: what they
+        committed is whole): whole where every server's is, in the layers all wrote."""
+        per_leg = list(self._of.values())
+        if all(c.partial is None for c in per_leg):
+            return None
+        whole, layers = [], []
+        for g, n in enumerate(b.size for b in self.committed()):
+            whole.append(min(n, *(c.blocks[g].size - (c.partial.blocks[g] if c.partial else 0) for c in per_leg)))
+            layers.append(min(c.partial.layers_done[g] for c in per_leg if c.partial is not None))
+        tokens = min(c.partial.whole_num_tokens if c.partial else c.num_tokens for c in per_leg)
+        return Partial(tuple(whole), tokens, tuple(layers))
 
     async def wait(self, time_left_s: float, *, reads_done: bool = False) -> None:
         """The next commit of every P server whose lease is not final yet (answered at once
@@ -126,10 +143,25 @@ class CommitFollower:
         if resp.commit_epoch > c.epoch:
             self._take_digests(leg, c, resp.content)
         c.epoch, c.final, c.num_tokens = resp.commit_epoch, resp.final, resp.num_tokens
+        c.partial = self._checked_partial(leg, c, resp) if resp.HasField("partial") else None
         if leg.clock is None:
             leg.clock = LeaseClock(resp.lease_remaining_ms)
         else:
             leg.clock.renew(resp.lease_remaining_ms)
+
+    def _checked_partial(self, leg: Leg, c: _LegCommits, resp: pb.WaitCommitResponse) -> pb.PartialChunk:
+        """An answer's chunk committed layer by layer, within what it committed: anything
+        else is a P that lost track, never a guess at which layers hold what."""
+        part = resp.partial
+        ok = (len(part.blocks) == len(part.layers_done) == len(c.blocks) and not resp.final
+              and part.whole_num_tokens <= resp.num_tokens
+              and all(n <= held.size for n, held in zip(part.blocks, c.blocks, strict=True))
+              and all(n <= layers for n, layers in zip(part.layers_done, self.group_layers, strict=True)))
+        if not ok:
+            raise InvalidArgument(Reason.PARAMS_INCONSISTENT, f"{leg.peer.address} answered a chunk committed layer "
+                                  f"by layer that its commits do not hold (blocks {list(part.blocks)}, layers "
+                                  f"{list(part.layers_done)})", {"address": leg.peer.address})
+        return part
 
     def _take_digests(self, leg: Leg, c: _LegCommits, content: Sequence[pb.BlockContent]) -> None:
         """Append an answer's digests (after its blocks): each group's must start where the ones

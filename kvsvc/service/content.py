@@ -6,8 +6,8 @@ lease's blocks on a worker thread as the lease is made (PublishBlocks answers on
 hashed; an engine embedding the server does not wait for them) and answers a claim that
 asks (ClaimLeaseRequest.want_content) with them. A progressive lease's blocks are hashed as
 commits make them whole (mapping/progressive.whole_blocks: a block the committed tokens
-fill, every block at the final commit -- a block committed half-filled is still being
-written), one batch per commit epoch, and WaitCommit answers a D that asks with the batches
+fill, every block at the final commit -- a block committed half-filled, or in only some of
+its layers, is still being written), one batch per commit epoch, and WaitCommit answers a D that asks with the batches
 since the epoch it has. D hashes what its READs landed on a worker thread while it
 confirms, and fails the transfer with DIGEST_MISMATCH (DATA_LOSS) where the two differ: the
 engine never serves those bytes. Blocks in GPU memory are not digested.
@@ -88,9 +88,12 @@ def take(node: Node, lease: Lease, *, now: bool = False) -> None:
         return  # a retried commit: its blocks were taken with it
     commits = lease.commits
     start = settled[-1].end if settled else (0,) * len(lease.block_ids)
-    end = tuple(max(s, whole_blocks(shape, int(ids.size), num_tokens=commits.num_tokens,
+    # A chunk committed layer by layer is still being written: only what is whole counts.
+    partial = commits.partial if commits.layers_done else (0,) * len(lease.block_ids)
+    end = tuple(max(s, whole_blocks(shape, int(ids.size) - part, num_tokens=commits.whole_tokens,
                                     block_size=node.layout.block_size, final=commits.final))
-                for s, shape, ids in zip(start, group_shapes(node.layout), lease.block_ids, strict=True))
+                for s, shape, ids, part in zip(start, group_shapes(node.layout), lease.block_ids, partial,
+                                               strict=True))
     blocks = [ids[s:e].tolist() for ids, s, e in zip(lease.block_ids, start, end, strict=True)]
     settled.append(Settled(start, end, _hashing(node, ranks, blocks, now=now)))
 

@@ -21,7 +21,7 @@ from kvsvc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvsvc.layout.compat import compatibility_hash
 from kvsvc.leases.arrivals import LeaseArrivals
 from kvsvc.leases.table import LeaseTable
-from kvsvc.mapping.planner import RankPlan, Side, plan_rank, prepare_blocks, validate_pair
+from kvsvc.mapping.planner import Layers, RankPlan, Side, plan_rank, prepare_blocks, validate_pair
 from kvsvc.memory.pools import CudaPool, ExternalPool, MemoryKind, Pool, RegionBuffersPool, ShmPool, shm_name_for
 from kvsvc.reasons import Reason
 from kvsvc.service.faults import Faults
@@ -197,11 +197,12 @@ class Node:
 
     def plan(self, remote: Side, local_ids: Sequence[Sequence[int] | np.ndarray],
              remote_ids: Sequence[Sequence[int] | np.ndarray],
-             ranks: Sequence[int], validated: bool = False, remote_num_tokens: int = 0) -> list[RankPlan]:
+             ranks: Sequence[int], validated: bool = False, remote_num_tokens: int = 0,
+             layers: Layers | None = None) -> list[RankPlan]:
         if not validated:
             validate_pair(self.side, remote)
         blocks = prepare_blocks(self.side, remote, local_ids, remote_ids, remote_num_tokens)  # once for every rank
-        return [plan_rank(self.side, remote, r, validated=True, blocks=blocks) for r in ranks]
+        return [plan_rank(self.side, remote, r, validated=True, blocks=blocks, layers=layers) for r in ranks]
 
     def plan_response(self, plans: Sequence[RankPlan], summary_only: bool) -> pb.PlanTransferResponse:
         msg = pb.PlanTransferResponse(

@@ -42,6 +42,7 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
     if not req.final:
         check_growing_blocks(node, groups)
     check_num_tokens(req.num_tokens, "num_tokens")
+    layers = _checked_layers(node, req.layers_done)
     lease = node.leases.get(req.request_id)
     if lease is not None and lease.fault == "stream_stalled" and lease.commits is not None \
             and lease.commits.epoch >= 2 and secrets.compare_digest(lease.token, req.lease_token):
@@ -50,13 +51,29 @@ def commit(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
         check_blocks_cover(node, req.num_tokens, [[*held.tolist(), *more]
                                                   for held, more in zip(lease.block_ids, groups, strict=True)])
     lease = node.leases.commit(req.request_id, node.epoch, token=req.lease_token, commit_epoch=req.commit_epoch,
-                               block_ids=groups, num_tokens=req.num_tokens, final=req.final)
+                               block_ids=groups, num_tokens=req.num_tokens, final=req.final, layers=layers)
     assert lease.commits is not None
     content.take(node, lease, now=lease.fault == "block_rewritten")  # what this commit made whole (content_digest)
     rewrite_if_faulted(node, lease)
     node.metrics.committed(req.final)
     return pb.CommitBlocksResponse(commit_epoch=lease.commits.epoch,
                                    lease_expires_unix_ms=monotonic_to_unix_ms(lease.expires_at))
+
+
+def _checked_layers(node: Node, layers_done: Sequence[int]) -> tuple[int, ...]:
+    """A commit layer by layer's counts: one per group, each at most the group's layers."""
+    if not layers_done:
+        return ()
+    groups = node.layout.groups
+    if len(layers_done) != len(groups):
+        raise bad_field("layers_done", f"names {len(layers_done)} groups, the layout has {len(groups)}",
+                        Reason.UNKNOWN_GROUP, groups=len(layers_done), layout_groups=len(groups))
+    for g, (n, group) in enumerate(zip(layers_done, groups, strict=True)):
+        have = len(list(group.layers()))
+        if n > have:
+            raise bad_field("layers_done", f"group {g} has {have} layers, not {n}", Reason.INVALID_FIELD,
+                            group=g, layers_done=n, layers=have)
+    return tuple(int(n) for n in layers_done)
 
 
 async def commit_answered(node: Node, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
@@ -88,6 +105,10 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
     resp = pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,
                                  block_ids_per_group=block_ids_to_proto(blocks), num_tokens=lease.commits.num_tokens,
                                  lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+    commits = lease.commits
+    if commits.layers_done:
+        resp.partial.CopyFrom(pb.PartialChunk(blocks=commits.partial, layers_done=commits.layers_done,
+                                              whole_num_tokens=commits.whole_tokens))
     if req.want_content:  # the answer is this epoch's, whatever is committed while the digests are awaited
         resp.content.extend(await content.since(lease, req.after_epoch, resp.commit_epoch))
     return resp

@@ -50,7 +50,7 @@ from kvsvc.errors import (
 )
 from kvsvc.leases.table import blocks_digest
 from kvsvc.mapping.geometry import check_block_ids
-from kvsvc.mapping.planner import RankPlan, Side
+from kvsvc.mapping.planner import Layers, RankPlan, Side
 from kvsvc.mapping.progressive import ProgressiveBlocks
 from kvsvc.memory.pools import MemoryKind
 from kvsvc.reasons import Reason
@@ -167,11 +167,12 @@ class TransferRun:
         return reads
 
     def _reads(self, side: Side, local_ids: Sequence[Sequence[int] | np.ndarray],
-               remote_ids: Sequence[Sequence[int] | np.ndarray], remote_num_tokens: int) -> list[Read]:
+               remote_ids: Sequence[Sequence[int] | np.ndarray], remote_num_tokens: int,
+               layers: Layers | None = None) -> list[Read]:
         node = self.node
         ranks = {r: rr for leg in self.legs for r, rr in leg.peer.ranks.items()}
         plans = node.plan(side, local_ids, remote_ids, node.hosted_ranks, validated=True,
-                          remote_num_tokens=remote_num_tokens)
+                          remote_num_tokens=remote_num_tokens, layers=layers)
         return [(plan.local_rank, a) for plan in plans for a in _addresses(node, ranks, plan)]
 
     def _follow(self, side: Side, local_ids: list[list[int]]) -> ProgressiveBlocks:
@@ -192,7 +193,7 @@ class TransferRun:
             check_block_ids(np.asarray(ids, np.int64), node.layout.group_blocks(g), side="local", group=g)
         self.own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16),
                              node.layout.dcp_size, traceparent(self.span))
-        self.follower = CommitFollower(self.legs, self.own, len(node.layout.groups),
+        self.follower = CommitFollower(self.legs, self.own, [len(list(g.layers())) for g in node.layout.groups],
                                        want_content=node.config.content_digest)
         return ProgressiveBlocks(local_ids, group_shapes(node.layout), prefix_tokens=self.req.local_prefix_tokens,
                                  local_block_size=node.layout.block_size, remote_block_size=side.layout.block_size)
@@ -278,12 +279,14 @@ class TransferRun:
             if follower.final and self.final_heard is None:
                 self.final_heard = time.perf_counter()  # what follows is the transfer's unhidden part
             _check_ended_reads(self.posted)  # a READ of an earlier chunk that failed ends the stream now
-            chunk = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final)
-            if chunk is None:
+            chunks = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final,
+                                  partial=follower.partial())
+            if not chunks:
                 continue
-            reads = self._reads(self.legs[0].peer.side, *chunk, 0)
-            self.pulled.extend(reads)
-            await self._post(reads)
+            for chunk in chunks:  # (a chunk committed layer by layer: some layers of its blocks)
+                reads = self._reads(self.legs[0].peer.side, chunk.local, chunk.remote, 0, chunk.layers)
+                self.pulled.extend(reads)
+                await self._post(reads)
             self.recorded.append(functools.partial(self.node.metrics.progressive_read, not follower.final))
             self.chunks[follower.final] += 1
             if first:

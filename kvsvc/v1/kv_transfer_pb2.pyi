@@ -723,20 +723,22 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class CommitBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "lease_token", "commit_epoch", "block_ids_per_group", "num_tokens", "final")
+    __slots__ = ("request_id", "lease_token", "commit_epoch", "block_ids_per_group", "num_tokens", "final", "layers_done")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_token: str
     commit_epoch: int
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     final: bool
-    def __init__(self, request_id: _Optional[str] = ..., lease_token: _Optional[str] = ..., commit_epoch: _Optional[int] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    layers_done: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease_token: _Optional[str] = ..., commit_epoch: _Optional[int] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., final: _Optional[bool] = ..., layers_done: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitBlocksResponse(_message.Message):
     __slots__ = ("commit_epoch", "lease_expires_unix_ms")
@@ -767,20 +769,32 @@ class WaitCommitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., claim_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., wait_ms: _Optional[int] = ..., want_content: _Optional[bool] = ..., reads_done: _Optional[bool] = ...) -> None: ...
 
 class WaitCommitResponse(_message.Message):
-    __slots__ = ("commit_epoch", "final", "block_ids_per_group", "num_tokens", "lease_remaining_ms", "content")
+    __slots__ = ("commit_epoch", "final", "block_ids_per_group", "num_tokens", "lease_remaining_ms", "content", "partial")
     COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     commit_epoch: int
     final: bool
     block_ids_per_group: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     lease_remaining_ms: int
     content: _containers.RepeatedCompositeFieldContainer[BlockContent]
-    def __init__(self, commit_epoch: _Optional[int] = ..., final: _Optional[bool] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., content: _Optional[_Iterable[_Union[BlockContent, _Mapping]]] = ...) -> None: ...
+    partial: PartialChunk
+    def __init__(self, commit_epoch: _Optional[int] = ..., final: _Optional[bool] = ..., block_ids_per_group: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., content: _Optional[_Iterable[_Union[BlockContent, _Mapping]]] = ..., partial: _Optional[_Union[PartialChunk, _Mapping]] = ...) -> None: ...
+
+class PartialChunk(_message.Message):
+    __slots__ = ("blocks", "layers_done", "whole_num_tokens")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    layers_done: _containers.RepeatedScalarFieldContainer[int]
+    whole_num_tokens: int
+    def __init__(self, blocks: _Optional[_Iterable[int]] = ..., layers_done: _Optional[_Iterable[int]] = ..., whole_num_tokens: _Optional[int] = ...) -> None: ...
 
 class ClaimLeaseRequest(_message.Message):
     __slots__ = ("request_id", "lease_epoch", "engine_id", "tp_size", "extend_ms", "lease_token", "claim_id", "ranks", "dcp_size", "consumed", "blocks_digest", "lease_serial", "wait_ms", "want_content")

@@ -18,7 +18,7 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 def follower(ranks=(0, 1)) -> tuple[CommitFollower, SimpleNamespace]:
     leg = SimpleNamespace(peer=SimpleNamespace(address="p:1", ranks={r: None for r in ranks}), clock=None)
     own = SimpleNamespace(params=pb.TransferParams(remote_request_id="r"))
-    return CommitFollower([leg], own, 1, want_content=True), leg  # type: ignore[list-item, arg-type]
+    return CommitFollower([leg], own, [2], want_content=True), leg  # type: ignore[list-item, arg-type]
 
 
 def answer(epoch: int, blocks: list[int], digests: dict[int, tuple[int, list[int]]]) -> pb.WaitCommitResponse:

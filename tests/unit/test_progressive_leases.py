@@ -33,9 +33,9 @@ def opened(table: LeaseTable, rid: str = "r", first: list[list[int]] | None = No
     return lease
 
 
-def commit(table, lease, epoch, blocks, final=False, num_tokens=64):
+def commit(table, lease, epoch, blocks, final=False, num_tokens=64, layers=()):
     return table.commit(lease.request_id, 3, token=lease.token, commit_epoch=epoch, block_ids=blocks,
-                        num_tokens=num_tokens, final=final)
+                        num_tokens=num_tokens, final=final, layers=layers)
 
 
 def ids(lease) -> list[list[int]]:
@@ -88,6 +88,38 @@ async def test_nothing_is_committed_after_the_final_commit(table):
         commit(table, lease, 2, [[3], []], final=False)  # the final commit, sent back as not final
     assert e.value.reason == "COMMIT_CONFLICT"
     assert lease.digest == blocks_digest([np.array([1, 2, 3]), np.array([7])], 80)
+
+
+async def test_a_chunk_committed_layer_by_layer_appends_once_then_only_raises_its_layers(table):
+    lease = opened(table)  # 32 tokens in every layer
+    commit(table, lease, 2, [[3], [8]], num_tokens=48, layers=(1, 2))
+    log = lease.commits
+    assert (log.partial, log.layers_done, log.whole_tokens, log.num_tokens) == ((1, 1), (1, 2), 32, 48)
+    commit(table, lease, 2, [[3], [8]], num_tokens=48, layers=(1, 2))  # a retry
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 2, [[3], [8]], num_tokens=48, layers=(2, 2))  # epoch 2 again, other layers
+    assert e.value.reason == "COMMIT_CONFLICT"
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 3, [[4], []], num_tokens=48, layers=(2, 2))  # more blocks mid-chunk
+    assert e.value.reason == "COMMIT_CONFLICT" and e.value.metadata["field"] == "block_ids_per_group"
+    with pytest.raises(FailedPrecondition) as e:
+        commit(table, lease, 3, [[], []], num_tokens=48, layers=(0, 2))  # a layer taken back
+    assert e.value.reason == "COMMIT_CONFLICT" and e.value.metadata["field"] == "layers_done"
+    with pytest.raises(InvalidArgument) as e:
+        commit(table, lease, 3, [[], []], num_tokens=48, layers=(2, 2), final=True)
+    assert e.value.metadata["field"] == "layers_done"
+    with pytest.raises(InvalidArgument) as e:
+        commit(table, lease, 3, [[], []], num_tokens=48, layers=(2,))
+    assert e.value.metadata["field"] == "layers_done"
+    commit(table, lease, 3, [[], []], num_tokens=48, layers=(2, 2))
+    assert (log.partial, log.layers_done, log.epoch) == ((1, 1), (2, 2), 3)
+    # D waiting meanwhile hears of every commit; the whole one ends the chunk.
+    waiter = asyncio.ensure_future(wait(table, after=3))
+    await asyncio.sleep(0)
+    commit(table, lease, 4, [[5], []], num_tokens=64, final=True)
+    got, since = await asyncio.wait_for(waiter, 5)
+    assert since == [(3, 4), (2, 2)] and (log.partial, log.layers_done, log.whole_tokens) == ((), (), 64)
+    assert ids(got) == [[1, 2, 3, 5], [7, 8]] and lease.digest == blocks_digest(got.block_ids, 64)
 
 
 async def test_consumed_only_after_the_final_commit_and_over_its_blocks(table):
