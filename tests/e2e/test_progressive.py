@@ -109,6 +109,17 @@ async def test_commit_and_wait_refusals_are_typed_and_leave_the_lease_as_it_was(
             with pytest.raises(FailedPrecondition) as e:
                 await s.pc.wait_commit(waiting(params, claim_id, 7, 0))
             assert e.value.reason == "COMMIT_OUT_OF_ORDER"
+            for layers, reason in (([3], "INVALID_FIELD"), ([1, 1], "UNKNOWN_GROUP")):  # 2 layers, 1 group
+                layered = committing(params, 2, [3], 8)
+                layered.layers_done[:] = layers
+                with pytest.raises(InvalidArgument) as e:
+                    await s.pc.commit_blocks(layered)
+                assert (e.value.reason, e.value.metadata["field"]) == (reason, "layers_done")
+            layered = committing(params, 2, [3], 8, final=True)
+            layered.layers_done[:] = [1]
+            with pytest.raises(InvalidArgument) as e:  # a commit layer by layer is never final
+                await s.pc.commit_blocks(layered)
+            assert e.value.metadata["field"] == "layers_done"
             whole = (await s.pc.publish_blocks("whole", [[4]])).params
             with pytest.raises(FailedPrecondition) as e:
                 await s.pc.commit_blocks(committing(whole, 2, [5], 8))

@@ -18,6 +18,7 @@ from kvsvc.cli.procs import ServerProcess
 from kvsvc.errors import KvsvcError
 from kvsvc.reasons import ErrorCode, Reason
 from kvsvc.v1 import kv_transfer_pb2 as pb
+from kvsvc.verify import RankMemory, check_rank
 from tests.e2e.harness import layout_table, running, session
 from tests.e2e.test_content_digest import content, start
 from tests.e2e.test_progressive import LAYOUT, claimed_on_p, committing, landed_on_d, opening
@@ -77,6 +78,77 @@ async def test_every_block_of_a_stream_is_checked_and_a_half_filled_block_is_has
             assert ev.reason == pb.RELEASE_REASON_CONSUMED
         # Every P block read whole from each P rank D read, checked against P's digest: 6 blocks
         # per P rank (two D ranks each read half of every block: whole once joined, counted once).
+        assert content(d, "pd-d") == {"checked": 6 * p_tp, "unchecked": 0, "mismatch": 0}
+
+
+def layer_regions(mem, layout, layer: int):
+    """A view of a rank's memory holding only the regions of one layer of group 0."""
+    name = [n for n, _ in layout.groups[0].layers()][layer]
+    return RankMemory(tuple(r for r in mem.regions if r.layer_name == name), mem.buf)
+
+
+async def landed_in_layer(s, d_ids: list[int], layer: int) -> None:
+    """Until D's blocks d_ids hold P's request blocks (from position 0) in one layer."""
+    for _ in range(2000):
+        errors = [e for rank, mem in s.de.mem.items()
+                  for e in check_rank(layer_regions(mem, s.de.layout, layer), rank, s.de.info.tp_size,
+                                      s.de.layout.total_num_kv_heads, [d_ids], s.de.layout.block_size)]
+        if not errors:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"D's blocks {d_ids} never held P's in layer {layer}: {errors[:3]}")
+
+
+def rewrite_layers(mem, layout, block: int, layers: range, parts: dict[int, np.ndarray] | None = None
+                   ) -> dict[int, np.ndarray]:
+    """Scramble (or, given parts, restore) one block's regions of some layers; the old bytes."""
+    names = [n for n, _ in layout.groups[0].layers()]
+    old = {}
+    for r in mem.regions:
+        if names.index(r.layer_name) in layers:
+            view = mem.block_view(r, block)
+            old[r.index] = view.copy()
+            view[:] = parts[r.index] if parts is not None else view ^ 0x5A
+    return old
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "d_block"), [(1, 1, 4), (2, 1, 4), (1, 2, 4), (1, 1, 8)],
+                         ids=["eq", "p2-d1", "p1-d2", "d-block-8"])
+async def test_a_chunk_committed_layer_by_layer_is_read_as_its_layers_are_written_and_checked_once_whole(
+        tmp_path, p_tp, d_tp, d_block):
+    p_ids = [1, 2, 5, 6, 9, 10]  # 22 tokens: the last block half-filled
+    d_ids = list(range(20, 20 + -(-22 // d_block)))
+    with pair(tmp_path, p_tp=p_tp, d_tp=d_tp, d_layout=layout_table(k=2, block=d_block)) as (p, d):
+        async with session(p, d) as s:
+            s.pe.fill([p_ids])  # what each block holds once computed
+            # The second chunk (blocks 5 and 6, tokens 8..13) as the engine computes it layer by
+            # layer: block 5 written in layer 0 only, block 6 not yet in any (its last tokens
+            # come with the third chunk). Until written, their bytes are others.
+            later = {rank: (rewrite_layers(mem, s.pe.layout, 5, range(1, 2)),
+                            rewrite_layers(mem, s.pe.layout, 6, range(2))) for rank, mem in s.pe.mem.items()}
+            params = (await s.pc.publish_blocks_request(opening("ll", [1, 2]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-ll", params, [d_ids], timeout_s=60))
+            await claimed_on_p(s, "ll")
+            await s.pc.commit_blocks(pb.CommitBlocksRequest(
+                request_id=params.remote_request_id, lease_token=params.lease_token, commit_epoch=2,
+                block_ids_per_group=[pb.BlockIds(block_ids=[5, 6])], num_tokens=14, layers_done=[1]))
+            if d_block == 4:
+                await landed_in_layer(s, d_ids[:3], 0)  # block 5's layer 0, read while P computes layer 1
+            for rank, mem in s.pe.mem.items():  # the engine computes layer 1 of the chunk, then the rest
+                rewrite_layers(mem, s.pe.layout, 5, range(1, 2), later[rank][0])
+                rewrite_layers(mem, s.pe.layout, 6, range(2), later[rank][1])
+            await s.pc.commit_blocks(pb.CommitBlocksRequest(
+                request_id=params.remote_request_id, lease_token=params.lease_token, commit_epoch=3,
+                block_ids_per_group=[pb.BlockIds()], num_tokens=14, layers_done=[2]))
+            await s.pc.commit_blocks(committing(params, 4, [9, 10], 22, final=True))
+            resp = await asyncio.wait_for(moving, 60)
+            # Each block in each layer read once (a layer read before it was written would
+            # have stayed wrong), and every block checked against the digest P took once whole.
+            assert not s.de.check([d_ids], num_tokens=22)
+            per_block = sum(r.block_len for r in s.de.mem[0].regions) * len(s.de.mem)
+            assert resp.total_bytes == per_block * len(d_ids)
+            (ev,) = await s.watch.wait_for("ll")
+            assert ev.reason == pb.RELEASE_REASON_CONSUMED
         assert content(d, "pd-d") == {"checked": 6 * p_tp, "unchecked": 0, "mismatch": 0}
 
 
