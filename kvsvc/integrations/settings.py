@@ -25,6 +25,7 @@ SERVER_KEYS = ("lease_ttl_s", "max_lease_ttl_s", "peer_timeout_s", "allowed_peer
                "content_digest", "require_rdma_between_nodes")
 MAX_MODEL_ID = 200
 MAX_SECONDS = 3600.0
+MAX_LAYER_COMMITS = 64  # partial commits of one chunk (each is a WaitCommit answer and a READ post on D)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class EngineSettings:
     """P (SGLang): open each request's lease at its first chunk and commit each later chunk as
     it is computed, so D reads while P still prefills (docs/ARCHITECTURE.md, "Progressive
     pull"). D follows whatever P sends. vLLM: not yet (refused at start)."""
+    layer_commits: int = 4
+    """P (vLLM): the chunk that completes a streamed prompt is committed in up to this many
+    parts as its forward computes the layers, so D reads them meanwhile (0 or 1: whole,
+    after the forward, as every other chunk)."""
     config: str = ""
     """A kvsvc TOML file whose [server] keys apply to every embedded server."""
     server: Mapping[str, Any] = field(default_factory=dict)
@@ -102,6 +107,8 @@ class EngineSettings:
         if not 0 < self.transfer_timeout_s <= MAX_SECONDS:
             raise ValueError(f"{where}.transfer_timeout_s must be more than 0 and at most {MAX_SECONDS:.0f} "
                              f"seconds, not {self.transfer_timeout_s}")
+        if not 0 <= self.layer_commits <= MAX_LAYER_COMMITS:
+            raise ValueError(f"{where}.layer_commits must be from 0 to {MAX_LAYER_COMMITS}, not {self.layer_commits}")
         if self.lease_ttl_ms < 0:
             raise ValueError(f"{where}.lease_ttl_ms must be 0 (the server's lease_ttl_s) or more, not {self.lease_ttl_ms}")
 

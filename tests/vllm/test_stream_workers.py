@@ -136,6 +136,60 @@ def test_a_prompt_of_one_chunk_is_opened_and_made_final_at_once():
         p.shutdown()
 
 
+def _layer_buffers(w: KvsvcWorker) -> list[list[int]]:
+    """Per layer of TABLE's group, the indices of its regions' buffers."""
+    from kvsvc.layout import layout_from_dict
+    from kvsvc.layout.regions import build_pool_layout
+    from tests.vllm.test_publish_in_workers import TABLE
+
+    layout = layout_from_dict(TABLE, tp_size=1)
+    names = [n for n, _ in layout.groups[0].layers()]
+    return [[r.index for r in build_pool_layout(layout).regions if r.layer_name == n] for n in names]
+
+
+def test_the_chunk_completing_a_prompt_is_read_layer_by_layer_as_its_forward_saves_them():
+    p, d = _worker(Role.PREFILL, "pw-p", fill=6), _worker(Role.DECODE, "pw-d")
+    layers = _layer_buffers(p)
+    p.stream_layers([["l0", "l1"]], 4)  # vLLM's names of the group's two layers, in order
+    try:
+        sched, order = _p_scheduler(p), stream_params.new_stream()
+        req = _request("s1", 2 * BLOCK, order)
+        sched.on_new_request(req)
+        d.start_load_kv(KvsvcConnectorMetadata(receive={"d-s1": Receive([[40, 41]], _d_params(p, order), True)}))
+        _run_step(sched, p, req, _step({"s1": [5]}, {"s1": BLOCK}))
+        assert _until(lambda: _same(p, d, 5, 40))
+        # The last chunk (block 6), as its forward computes it: until a layer is computed its
+        # bytes on P are others.
+        computed = [b[6].clone() for b in p.buffers]
+        for b in p.buffers:
+            b[6] ^= 0x5A
+        meta = sched.build_connector_meta(_step(scheduled={"s1": BLOCK}, added={"s1": [6]}))
+        assert meta.commit["s1"].final
+        p.revoke(meta)
+
+        def layer(i: int, p_block: int, d_block: int) -> bool:
+            return all(torch.equal(p.buffers[r][p_block], d.buffers[r][d_block]) for r in layers[i])
+
+        for r in layers[0]:  # layer 0 computed and saved: D reads it while P computes layer 1
+            p.buffers[r][6] = computed[r]
+        p.layer_saved(meta, "l0", lambda: None)
+        assert _until(lambda: layer(0, 6, 41)), "D did not read layer 0 of the last chunk during the forward"
+        for r in layers[1]:
+            p.buffers[r][6] = computed[r]
+        p.layer_saved(meta, "l1", lambda: None)  # the last layer: made whole after the forward
+        p.start_load_kv(meta)
+        req.num_computed_tokens += BLOCK
+        p.commit_after_forward(meta, None)
+        assert _loaded(d, "d-s1") == "loaded"
+        # Each layer read once (a layer read before it was computed would have stayed wrong).
+        assert _same(p, d, 5, 40) and _same(p, d, 6, 41)
+        stats = p.take_stats()
+        assert stats is not None and stats.data["layer_commits"] == 1
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
 def test_d_holding_a_prefix_reads_only_the_tail():
     p, d = _worker(Role.PREFILL, "pw-p", fill=5), _worker(Role.DECODE, "pw-d")
     try:

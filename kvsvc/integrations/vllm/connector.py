@@ -203,6 +203,9 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
                                    heartbeat_s=settings.lease_heartbeat_s, listen_port=settings.listen_port,
                                    transfer_timeout_s=settings.transfer_timeout_s, config_path=settings.config or None)
         self._worker.start(description)
+        if self._kv_role is not Role.DECODE:
+            self._worker.stream_layers([list(g.layer_names) for g in self._kv_cache_config.kv_cache_groups],
+                                       settings.layer_commits)
 
     def get_handshake_metadata(self) -> Any:
         return self._worker.info if self._worker is not None else None
@@ -221,7 +224,11 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.revoke(kv_connector_metadata)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # D pulls from P's blocks: nothing to push
+        """P: D pulls, nothing is pushed; a layer of the chunk completing a streamed prompt
+        may complete a part of it to commit (layer_commits.py)."""
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KvsvcConnectorMetadata):
+            self._worker.layer_saved(meta, layer_name, self._forward_done)
 
     def wait_for_save(self) -> None:
         """After the forward was launched: the chunks of streamed requests it computes are

@@ -19,6 +19,7 @@ names sit next to vLLM's vllm:nixl_* ones and mean the same where both have them
     vllm:kvsvc_streamed_chunks_growing   D: chunks of streamed requests read while P still prefilled
     vllm:kvsvc_streamed_chunks_final     D: chunks of streamed requests read after P's last one
     vllm:kvsvc_stream_after_final_seconds  D: a streamed Transfer, P's final commit heard -> answer
+    vllm:kvsvc_layer_commits             P: partial commits of chunks completing a streamed prompt
 
 P's counters count per worker (each worker's server holds its own lease of a request).
 """
@@ -38,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 # Lists of observations, one entry per event (vLLM ships the dict from workers to the logger).
 SERIES = ("xfer_seconds", "wire_seconds", "bytes", "descriptors", "report_delay_seconds", "overhead_seconds",
           "after_final_seconds")
-COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed", "chunks_growing", "chunks_final")
+COUNTS = ("failed", "cancelled", "consumed", "aborted", "expired", "lease_failed", "chunks_growing", "chunks_final",
+          "layer_commits")
 RELEASES_COUNTED = frozenset({"consumed", "aborted", "expired"})  # how a lease ended (LeaseState values)
 
 
@@ -168,6 +170,9 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
             "chunks_final": self._counter("vllm:kvsvc_streamed_chunks_final",
                                           "Chunks of streamed requests a decode worker read after the prefill "
                                           "engine's last one."),
+            "layer_commits": self._counter("vllm:kvsvc_layer_commits",
+                                           "Partial commits (some layers) of the chunks completing streamed "
+                                           "prompts, made while the forward computed the rest (per worker)."),
         }
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> dict[int, Any]:

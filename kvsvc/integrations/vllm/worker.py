@@ -34,6 +34,7 @@ from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.embedded import EmbeddedServer
 from kvsvc.integrations.loop import LoopThread
 from kvsvc.integrations.vllm import params as kvparams
+from kvsvc.integrations.vllm.layer_commits import LayerCommits, PartialCommit
 from kvsvc.integrations.vllm.layout import kernel_block_ids
 from kvsvc.integrations.vllm.metadata import (
     LEASE_HEARTBEAT_S,
@@ -113,6 +114,7 @@ class KvsvcWorker:
         # P, on the loop: streamed requests' leases (lease id <-> vLLM's request id), from their
         # opening until released or revoked, and the queue P's steps run through, in order.
         self._stream_rid: dict[str, str] = {}
+        self._layer_commits: LayerCommits | None = None  # P: the last chunk layer by layer (stream_layers)
         self._stream_lease: dict[str, str] = {}
         self._p_jobs: asyncio.Queue[tuple[Callable[[], Awaitable[None]], concurrent.futures.Future[None] | None]] | None = None
         self._p_runner: asyncio.Future[None] | None = None
@@ -207,6 +209,21 @@ class KvsvcWorker:
 
     # ---- each step -------------------------------------------------------------------
 
+    def stream_layers(self, groups: list[list[str]], parts: int) -> None:
+        """P: commit the chunk completing a streamed prompt layer by layer (layer_commits.py)."""
+        self._layer_commits = LayerCommits(groups, parts)
+
+    def layer_saved(self, meta: KvsvcConnectorMetadata, layer_name: str,
+                    forward_done: Callable[[], Callable[[], None] | None]) -> None:
+        """P, after one layer's forward was launched: its partial commits, if it completes a
+        part (once forward_done()'s wait returned: the device ran the layer)."""
+        if self._layer_commits is None or not meta.commit:
+            return
+        made = self._layer_commits.saved(layer_name, meta.commit)
+        if made:
+            job = functools.partial(self._commit_layers, made, forward_done())
+            self._loop.loop.call_soon_threadsafe(self._enqueue, job, None)
+
     def start_load_kv(self, meta: KvsvcConnectorMetadata) -> None:
         if meta.revoke:  # where vLLM did not call handle_preemptions first
             self.revoke(meta)
@@ -242,7 +259,9 @@ class KvsvcWorker:
         """P, after this step's forward was launched: commit the chunks it computes, once
         forward_done() returned (the device finished it; None: it has already)."""
         if meta.commit:
-            job = functools.partial(self._commit_step, dict(meta.commit), forward_done)
+            lc = self._layer_commits
+            commits = lc.ended(meta.commit) if lc is not None else dict(meta.commit)
+            job = functools.partial(self._commit_step, commits, forward_done)
             self._loop.loop.call_soon_threadsafe(self._enqueue, job, None)
 
     def revoke(self, meta: KvsvcConnectorMetadata) -> None:
@@ -293,11 +312,21 @@ class KvsvcWorker:
         for rid, c in commits.items():
             self._commit(leases, rid, c)
 
-    def _commit(self, leases: InProcessLeases, rid: str, c: Commit) -> None:
+    async def _commit_layers(self, made: list[PartialCommit], layer_done: Callable[[], None] | None) -> None:
+        if layer_done is not None:
+            await asyncio.to_thread(layer_done)
+        leases = self._embedded.leases if self._embedded is not None else None
+        if leases is not None:
+            for m in made:
+                if self._commit(leases, m.request_id, m.commit, m.layers_done):
+                    with self._lock:
+                        self._stats.count("layer_commits")
+
+    def _commit(self, leases: InProcessLeases, rid: str, c: Commit, layers: tuple[int, ...] = ()) -> bool:
         """One chunk of a streamed request on this rank's server: open its lease (epoch 1, as
-        the request arrives) or append to it. A refused commit takes the lease back (its
-        blocks go back to vLLM once the request is delayed); a commit after a revoke or a
-        failure is dropped."""
+        the request arrives) or append to it (layers: some layers of it, layer_commits.py).
+        A refused commit takes the lease back (its blocks go back to vLLM once the request is
+        delayed); a commit after a revoke or a failure is dropped. True: made."""
         blocks = [pb.BlockIds(block_ids=g) for g in c.block_ids]
         try:
             if c.epoch == 1:
@@ -308,11 +337,15 @@ class KvsvcWorker:
             elif self._stream_lease.get(rid) == c.lease_id:
                 leases.commit(pb.CommitBlocksRequest(
                     request_id=c.lease_id, lease_token=c.lease_token, commit_epoch=c.epoch, num_tokens=c.num_tokens,
-                    block_ids_per_group=blocks, final=c.final))
+                    block_ids_per_group=blocks, final=c.final, layers_done=layers))
+            else:
+                return False
         except KvsvcError as e:
             log.info("kvsvc: rank %d: commit %d of %s (%s) refused: %s", self.tp_rank, c.epoch, rid, c.lease_id, e)
             self._drop_stream(leases, rid, c.lease_id, c.lease_token)
             self._record_release(rid, "")  # nobody reads its blocks any more
+            return False
+        return True
 
     def _revoke_here(self, revokes: dict[str, tuple[str, str]]) -> None:
         leases = self._embedded.leases if self._embedded is not None else None
