@@ -143,7 +143,7 @@ def one(p: Served, d: Served, prompt: list[int], max_tokens: int, mode: str,
     """One request as a router sends it; seconds from sending it: P's answer, D's first token."""
     t0 = time.perf_counter()
     body = completion(prompt, max_tokens)
-    if mode == "stream":
+    if mode.startswith("stream"):
         assert ident is not None
         order = stream_params.new_stream()
         d_body = {**body, "kv_transfer_params": stream_params.decode_stream_params(ident, order)}
@@ -251,10 +251,12 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
     if name != "nixl":
         p_conf["kv_connector_extra_config"] = {"listen_host": a.address, "transfer_timeout_s": 600}
         d_conf["kv_connector_extra_config"] = {"listen_host": b.address, "transfer_timeout_s": 600}
+    if name == "kvsvc-chunks":  # the last chunk committed whole, after P's forward (no layer commits)
+        p_conf["kv_connector_extra_config"]["layer_commits"] = 0
     chunk = ("--max-num-batched-tokens", str(args.chunk))
     p = serve(a, f"{name}-p", 0, f"{a.tmp}/model", p_conf, logs, args.max_len, chunk)
     d = serve(b, f"{name}-d", 1, f"{b.tmp}/model", d_conf, logs, args.max_len)
-    modes = ["nixl"] if name == "nixl" else ["pull", "stream"]
+    modes = {"nixl": ["nixl"], "kvsvc-chunks": ["pull", "stream-chunks"]}.get(name, ["pull", "stream"])
     try:
         p.wait_ready(900)
         d.wait_ready(900)
@@ -308,23 +310,33 @@ def table(results: dict[str, Any], cells: list[tuple[int, int]]) -> str:
         count = sum(c[f"{what}_count"] for c in sums)
         return sum(c[f"{what}_sum"] for c in sums) / count if count else None
 
+    chunks = any(k.startswith("stream-chunks") for r in results.values() if isinstance(r, dict)
+                 for k in r.get("per_cell", {}))
     rows = ["| prompt | in flight | TTFT p50 (max): pull | stream | NixlConnector | tail p50: pull | stream | "
-            "NixlConnector | tail hidden | transfer: pulled | streamed after prefill | transfer hidden |",
-            "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "NixlConnector | tail hidden | transfer: pulled | streamed after prefill | transfer hidden |"
+            + (" streamed after prefill, last chunk whole | hidden |" if chunks else ""),
+            "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if chunks else "")]
     for length, inflight in cells:
         got = {m: cell(m, length, inflight) for m in ("pull", "stream", "nixl")}
-        if any(v is None for v in got.values()):
+        if got["pull"] is None or got["stream"] is None:
             continue
-        ttft = [f"{got[m]['ttft_ms_p50']:.0f} ({got[m]['ttft_ms_max']:.0f}) ms" for m in ("pull", "stream", "nixl")]
-        tail = [f"{got[m]['tail_ms_p50']:.0f} ms" for m in ("pull", "stream", "nixl")]
+        ttft = [_shown(got[m], "{ttft_ms_p50:.0f} ({ttft_ms_max:.0f}) ms") for m in ("pull", "stream", "nixl")]
+        tail = [_shown(got[m], "{tail_ms_p50:.0f} ms") for m in ("pull", "stream", "nixl")]
         hidden = 1 - got["stream"]["tail_ms_p50"] / got["pull"]["tail_ms_p50"] if got["pull"]["tail_ms_p50"] else 0
         pulled, after = mean("pull", length, inflight, "xfer"), mean("stream", length, inflight, "after_final")
         moved = ["--", "--", "--"]
         if pulled and after is not None:
             moved = [f"{1e3 * pulled:.0f} ms", f"{1e3 * after:.0f} ms", f"{100 * (1 - after / pulled):.0f} %"]
+        if chunks:
+            whole = mean("stream-chunks", length, inflight, "after_final")
+            moved += [f"{1e3 * whole:.0f} ms", f"{100 * (1 - whole / pulled):.0f} %"] if pulled and whole else ["--"] * 2
         rows.append(f"| {length:,} | {inflight} | {' | '.join(ttft)} | {' | '.join(tail)} | {100 * hidden:.0f} % | "
                     f"{' | '.join(moved)} |")
     return "\n".join(rows)
+
+
+def _shown(cell: dict[str, Any] | None, text: str) -> str:
+    return "--" if cell is None else text.format(**cell)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="P's prefill chunk (--max-num-batched-tokens)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--pairs", nargs="+", default=["kvsvc", "nixl", "kvsvc-again"],
-                    help="engine pairs to run, in order (NixlConnector's between two kvsvc runs by default)")
+                    help="engine pairs to run, in order (NixlConnector's between two kvsvc runs by default; "
+                    "kvsvc-chunks: P commits the last chunk whole, after its forward, beside pulled requests)")
     ap.add_argument("--logs", type=Path, help="keep the engines' logs here (default: a temporary directory)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)

@@ -40,6 +40,7 @@ class CommitLog:
     # its; and the tokens every layer holds (num_tokens is the tokens its first layers hold).
     partial: tuple[int, ...] = ()
     whole_tokens: int = 0
+    whole_epoch: int = 1  # the last commit that left every block whole (what a D reading no layers sees)
 
     @classmethod
     def opened(cls, blocks: Sequence[np.ndarray], num_tokens: int, final: bool = False) -> CommitLog:
@@ -106,7 +107,7 @@ class CommitLog:
     def record(self, held: Sequence[np.ndarray], num_tokens: int, final: bool, layers: tuple[int, ...] = ()) -> int:
         """A commit was applied (held: the lease's blocks after it); its epoch."""
         if not layers:
-            self.partial, self.whole_tokens = (), num_tokens
+            self.partial, self.whole_tokens, self.whole_epoch = (), num_tokens, len(self.ends) + 1
         elif not self.layers_done:  # the chunk starts: the blocks this commit appended are its
             self.partial = tuple(int(a.size) - e for a, e in zip(held, self.ends[-1], strict=True))
         self.ends.append(tuple(int(a.size) for a in held))
@@ -115,11 +116,18 @@ class CommitLog:
         self.final = final
         return self.epoch
 
-    def since(self, after_epoch: int) -> list[tuple[int, int]]:
-        """Per group, the (start, end) of the block ids committed after after_epoch (0: all)."""
-        if not 0 <= after_epoch <= self.epoch:
+    def seen_epoch(self, layers: bool) -> int:
+        """The epoch a D sees: every commit where it reads chunks layer by layer, else the last
+        that left every block whole (a partial chunk stays hidden from it until made whole)."""
+        return self.epoch if layers else self.whole_epoch
+
+    def since(self, after_epoch: int, upto: int | None = None) -> list[tuple[int, int]]:
+        """Per group, the (start, end) of the block ids committed after after_epoch (0: all)
+        up to epoch upto (None: the last)."""
+        upto = self.epoch if upto is None else upto
+        if not 0 <= after_epoch <= upto:
             raise FailedPrecondition(Reason.COMMIT_OUT_OF_ORDER, f"commit epoch {after_epoch} was never reached "
-                                     f"(the lease is at {self.epoch})",
-                                     {"after_epoch": after_epoch, "lease_commit_epoch": self.epoch})
+                                     f"(the lease is at {upto})",
+                                     {"after_epoch": after_epoch, "lease_commit_epoch": upto})
         start = self.ends[after_epoch - 1] if after_epoch else (0,) * len(self.ends[-1])
-        return list(zip(start, self.ends[-1], strict=True))
+        return list(zip(start, self.ends[upto - 1], strict=True))

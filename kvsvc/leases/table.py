@@ -253,28 +253,40 @@ class LeaseTable:
         return lease
 
     async def wait_commit(self, request_id: str, epoch: int, *, claim_id: str, d_engine_id: str, after_epoch: int,
-                          timeout_s: float, reads_done: bool = False) -> tuple[Lease, list[tuple[int, int]]]:
-        """D, holding claim_id's claim on a progressive lease: the lease and, per group, the
-        (start, end) of its block ids committed after after_epoch -- at once when there are
-        any (or the lease is final), else once the next commit comes or timeout_s passed
-        (then none). Waiting renews the lease, as a heartbeat does. A lease released
-        meanwhile answers LEASE_EXPIRED with its final state. reads_done: the claimant's READs
-        of what it was handed ended; the lease is quiet (no pump needed for it) while every
-        claimant's did and no answer handed it more."""
+                          timeout_s: float, reads_done: bool = False,
+                          layers: bool = False) -> tuple[Lease, int, list[tuple[int, int]]]:
+        """D, holding claim_id's claim on a progressive lease: the lease, the epoch D sees
+        now and, per group, the (start, end) of its block ids committed after after_epoch
+        up to that epoch -- at once when there are any (or the lease is final), else once
+        the next commit comes or timeout_s passed (then none). layers: D reads chunks
+        committed layer by layer; else it sees only commits that left every block whole
+        (CommitLog.seen_epoch), and partial commits do not end its wait. Waiting renews the
+        lease, as a heartbeat does. A lease released meanwhile answers LEASE_EXPIRED with
+        its final state. reads_done: the claimant's READs of what it was handed ended; the
+        lease is quiet (no pump needed for it) while every claimant's did and no answer
+        handed it more."""
         lease = self._claimed_progressive(request_id, epoch, claim_id)
-        if lease.commits is not None and lease.commits.epoch == after_epoch and not lease.commits.final:
+        assert lease.commits is not None
+        if lease.commits.seen_epoch(layers) == after_epoch and not lease.commits.final:
             if reads_done:  # (an answer given at once hands the claimant more to read)
                 lease.reads_done.add(claim_id)
                 self._requiet(lease)
-            self._extend(lease, None)
-            await self.commit_waits.wait(request_id, d_engine_id, timeout_s)
-            lease = self._claimed_progressive(request_id, epoch, claim_id)
+            end = time.monotonic() + timeout_s
+            while True:  # a partial commit wakes a D that does not see it: it waits on
+                self._extend(lease, None)
+                await self.commit_waits.wait(request_id, d_engine_id, max(0.0, end - time.monotonic()))
+                lease = self._claimed_progressive(request_id, epoch, claim_id)
+                assert lease.commits is not None
+                if (lease.commits.seen_epoch(layers) != after_epoch or lease.commits.final
+                        or time.monotonic() >= end):
+                    break
         assert lease.commits is not None
         self._extend(lease, None)
-        if lease.commits.epoch > after_epoch or lease.commits.final:  # D reads what this hands it
+        seen = lease.commits.seen_epoch(layers)
+        if seen > after_epoch or lease.commits.final:  # D reads what this hands it
             lease.reads_done.discard(claim_id)
             self._requiet(lease)
-        return lease, lease.commits.since(after_epoch)
+        return lease, seen, lease.commits.since(after_epoch, seen)
 
     def _readable(self) -> int:
         """Live leases a D may be reading now (every live lease but the quiet ones)."""

@@ -125,7 +125,7 @@ class CommitFollower:
         req = pb.WaitCommitRequest(request_id=p.remote_request_id, lease_epoch=leg.peer.epoch,
                                    engine_id=self.own.engine_id, claim_id=self.own.claim_id,
                                    after_epoch=self._of[id(leg)].epoch, wait_ms=int(wait_s * 1000),
-                                   want_content=self.want_content, reads_done=reads_done)
+                                   want_content=self.want_content, reads_done=reads_done, reads_layers=True)
         return await leg.peer.client.wait_commit(req, timeout_s=wait_s + COMMIT_WAIT_MARGIN_S)
 
     def _take(self, leg: Leg, resp: pb.WaitCommitResponse) -> None:

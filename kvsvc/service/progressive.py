@@ -97,16 +97,18 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
                         Reason.MISSING_FIELD)
     if req.wait_ms > MAX_WAIT_MS:
         raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
-    lease, since = await node.leases.wait_commit(req.request_id, req.lease_epoch, claim_id=req.claim_id,
-                                                 d_engine_id=req.engine_id, after_epoch=req.after_epoch,
-                                                 timeout_s=req.wait_ms / 1000, reads_done=req.reads_done)
-    assert lease.commits is not None
-    blocks = [held[start:end] for held, (start, end) in zip(lease.block_ids, since, strict=True)]
-    resp = pb.WaitCommitResponse(commit_epoch=lease.commits.epoch, final=lease.commits.final,
-                                 block_ids_per_group=block_ids_to_proto(blocks), num_tokens=lease.commits.num_tokens,
-                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+    lease, seen, since = await node.leases.wait_commit(req.request_id, req.lease_epoch, claim_id=req.claim_id,
+                                                       d_engine_id=req.engine_id, after_epoch=req.after_epoch,
+                                                       timeout_s=req.wait_ms / 1000, reads_done=req.reads_done,
+                                                       layers=req.reads_layers)
     commits = lease.commits
-    if commits.layers_done:
+    assert commits is not None
+    blocks = [held[start:end] for held, (start, end) in zip(lease.block_ids, since, strict=True)]
+    partial = req.reads_layers and bool(commits.layers_done)
+    resp = pb.WaitCommitResponse(commit_epoch=seen, final=commits.final, block_ids_per_group=block_ids_to_proto(blocks),
+                                 num_tokens=commits.num_tokens if partial else commits.whole_tokens,
+                                 lease_remaining_ms=max(0, int((lease.expires_at - time.monotonic()) * 1000)))
+    if partial:  # (a D that does not read chunks layer by layer sees none until it is whole)
         resp.partial.CopyFrom(pb.PartialChunk(blocks=commits.partial, layers_done=commits.layers_done,
                                               whole_num_tokens=commits.whole_tokens))
     if req.want_content:  # the answer is this epoch's, whatever is committed while the digests are awaited

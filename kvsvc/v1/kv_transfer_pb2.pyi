@@ -749,7 +749,7 @@ class CommitBlocksResponse(_message.Message):
     def __init__(self, commit_epoch: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WaitCommitRequest(_message.Message):
-    __slots__ = ("request_id", "lease_epoch", "engine_id", "claim_id", "after_epoch", "wait_ms", "want_content", "reads_done")
+    __slots__ = ("request_id", "lease_epoch", "engine_id", "claim_id", "after_epoch", "wait_ms", "want_content", "reads_done", "reads_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -758,6 +758,7 @@ class WaitCommitRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     WANT_CONTENT_FIELD_NUMBER: _ClassVar[int]
     READS_DONE_FIELD_NUMBER: _ClassVar[int]
+    READS_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_epoch: int
     engine_id: str
@@ -766,7 +767,8 @@ class WaitCommitRequest(_message.Message):
     wait_ms: int
     want_content: bool
     reads_done: bool
-    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., claim_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., wait_ms: _Optional[int] = ..., want_content: _Optional[bool] = ..., reads_done: _Optional[bool] = ...) -> None: ...
+    reads_layers: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., claim_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., wait_ms: _Optional[int] = ..., want_content: _Optional[bool] = ..., reads_done: _Optional[bool] = ..., reads_layers: _Optional[bool] = ...) -> None: ...
 
 class WaitCommitResponse(_message.Message):
     __slots__ = ("commit_epoch", "final", "block_ids_per_group", "num_tokens", "lease_remaining_ms", "content", "partial")

@@ -42,9 +42,15 @@ def ids(lease) -> list[list[int]]:
     return [a.tolist() for a in lease.block_ids]
 
 
-async def wait(table, rid="r", after=1, timeout_s=5.0, claim_id=CLAIM):
+async def wait(table, rid="r", after=1, timeout_s=5.0, claim_id=CLAIM, layers=True):
+    """(the lease, per group the blocks committed since after) as D sees them"""
+    got, _, since = await seen(table, rid, after, timeout_s, claim_id, layers)
+    return got, since
+
+
+async def seen(table, rid="r", after=1, timeout_s=5.0, claim_id=CLAIM, layers=True):
     return await table.wait_commit(rid, 3, claim_id=claim_id, d_engine_id="D", after_epoch=after,
-                                   timeout_s=timeout_s)
+                                   timeout_s=timeout_s, layers=layers)
 
 
 async def test_commits_append_and_a_waiter_is_woken_by_the_next_one(table):
@@ -120,6 +126,27 @@ async def test_a_chunk_committed_layer_by_layer_appends_once_then_only_raises_it
     got, since = await asyncio.wait_for(waiter, 5)
     assert since == [(3, 4), (2, 2)] and (log.partial, log.layers_done, log.whole_tokens) == ((), (), 64)
     assert ids(got) == [[1, 2, 3, 5], [7, 8]] and lease.digest == blocks_digest(got.block_ids, 64)
+
+
+async def test_a_d_that_reads_no_layers_sees_a_partial_chunk_only_once_whole(table):
+    lease = opened(table)  # epoch 1: 32 tokens
+    commit(table, lease, 2, [[3], [8]], num_tokens=48)
+    older = asyncio.ensure_future(seen(table, after=2, layers=False))
+    newer = asyncio.ensure_future(seen(table, after=2))
+    await asyncio.sleep(0)
+    commit(table, lease, 3, [[4], [9]], num_tokens=64, layers=(1, 1))
+    _, epoch, since = await asyncio.wait_for(newer, 5)
+    assert (epoch, since) == (3, [(3, 4), (2, 3)])
+    commit(table, lease, 4, [[], []], num_tokens=64, layers=(2, 2))
+    assert not older.done()  # partial commits do not end its wait (nor answer it empty)
+    # A D asking anew after the epoch it has gets the whole part only, at once or once made whole.
+    assert (await seen(table, after=1, layers=False))[1:] == (2, [(2, 3), (1, 2)])
+    commit(table, lease, 5, [[], []], num_tokens=64)
+    _, epoch, since = await asyncio.wait_for(older, 5)
+    assert (epoch, since) == (5, [(3, 4), (2, 3)])
+    waiting = asyncio.ensure_future(seen(table, after=5, layers=False, timeout_s=0.05))
+    commit(table, lease, 6, [[5], []], num_tokens=80, layers=(1, 0))
+    assert (await asyncio.wait_for(waiting, 5))[1:] == (5, [(4, 4), (3, 3)])  # its bound, nothing new seen
 
 
 async def test_consumed_only_after_the_final_commit_and_over_its_blocks(table):
@@ -279,8 +306,9 @@ async def pumped():
 
 
 async def wait_done(table, after, claim_id=CLAIM, reads_done=True):
-    return await table.wait_commit("r", 3, claim_id=claim_id, d_engine_id="D", after_epoch=after, timeout_s=5.0,
-                                   reads_done=reads_done)
+    got, _, since = await table.wait_commit("r", 3, claim_id=claim_id, d_engine_id="D", after_epoch=after,
+                                            timeout_s=5.0, reads_done=reads_done)
+    return got, since
 
 
 async def test_a_growing_lease_needs_the_pump_only_until_its_claimant_waits_with_its_reads_done(pumped):

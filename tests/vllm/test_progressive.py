@@ -107,6 +107,8 @@ def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
         assert d.wait_metric("vllm:kvsvc_streamed_chunks_final_total", 1) >= 1
         growing, final = chunks_read(d)
         assert growing + final - before >= 2, (growing, final)
+        # The chunk completing each prompt was committed layer by layer as P's forward saved them.
+        assert p.wait_metric("vllm:kvsvc_layer_commits_total", 2) >= 2
         print(f"D read {growing:.0f} chunks while P prefilled and {final:.0f} after")  # timing, not asserted
         # kvsvc's overhead above the READs is counted for pulled transfers only (a stream's
         # call also waits for P's prefill).
