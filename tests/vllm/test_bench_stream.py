@@ -46,6 +46,20 @@ def test_a_cell_without_the_connectors_figures_leaves_the_transfer_hidden_out():
     assert table(results, [(4096, 1)]).splitlines()[2].endswith("| 75 % | -- | -- | -- |")
 
 
+def test_a_pair_committing_the_last_chunk_whole_adds_its_transfer_hidden_and_no_nixl_pair_shows_dashes():
+    results = {"kvsvc": {"samples": {"pull 4096 x1": [_sample(0.5, 0.3)], "stream 4096 x1": [_sample(0.4, 0.35)]},
+                         "per_cell": {"pull 4096 x1": _cell([50], []), "stream 4096 x1": _cell([400], [5])}},
+               "kvsvc-chunks": {"samples": {"pull 4096 x1": [_sample(0.5, 0.3)],
+                                            "stream-chunks 4096 x1": [_sample(0.41, 0.35)]},
+                                "per_cell": {"pull 4096 x1": _cell([50], []), "stream-chunks 4096 x1": _cell([410],
+                                                                                                            [15])}}}
+    rows = table(results, [(4096, 1)]).splitlines()
+    # Pulled 50 ms; streamed 5 ms after P's final commit (90 % hidden), 15 ms with the last chunk whole (70 %).
+    assert rows[0].endswith("| streamed after prefill, last chunk whole | hidden |")
+    assert rows[2] == "| 4,096 | 1 | 500 (500) ms | 400 (400) ms | -- | 200 ms | 50 ms | -- | 75 % | 50 ms | 5 ms | " \
+        "90 % | 15 ms | 70 % |"
+
+
 @pytest.mark.full
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(available() is not None, reason=str(available()))
