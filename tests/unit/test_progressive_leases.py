@@ -202,6 +202,22 @@ async def test_committed_blocks_are_held_until_the_release_and_shared_ones_after
     assert table.leased_blocks == 1 and table.get("plain") is plain
 
 
+async def test_an_engine_withdrawing_mid_chunk_layer_by_layer_frees_its_blocks_and_ends_the_wait(table):
+    lease = opened(table, first=[[1], []])
+    commit(table, lease, 2, [[2, 3], [4]], layers=(1, 1))  # the chunk's blocks join at its first commit
+    assert table.leased_blocks == 1 + 3
+    waiter = asyncio.ensure_future(wait(table, after=2))
+    await asyncio.sleep(0)
+    # (the engine takes its blocks back itself: no release is announced for a withdrawal)
+    assert table.notify("r", NotifyKind.ABORTED, [], 3, token=lease.token, withdraw=True)[0] is LeaseState.ABORTED
+    with pytest.raises(FailedPrecondition) as e:
+        await asyncio.wait_for(waiter, 5)
+    assert e.value.reason == "LEASE_EXPIRED" and table.leased_blocks == 0
+    with pytest.raises(FailedPrecondition) as e:  # the rest of the chunk comes too late
+        commit(table, lease, 3, [[], []], layers=(2, 2))
+    assert e.value.reason == "LEASE_EXPIRED"
+
+
 async def test_waits_are_for_the_claimant_of_a_progressive_lease_only(table):
     lease = opened(table)
     with pytest.raises(PermissionDenied) as e:
