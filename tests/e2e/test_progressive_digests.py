@@ -26,6 +26,12 @@ from tests.e2e.test_progressive import LAYOUT, claimed_on_p, committing, landed_
 pytestmark = pytest.mark.timeout(120)
 
 
+# P and D of one TP size or another, D's blocks holding one or two of P's
+PAIRS = pytest.mark.parametrize(("p_tp", "d_tp", "d_block"), [(1, 1, 4), (2, 1, 4), (1, 2, 4), (1, 1, 8)],
+                                ids=["eq", "p2-d1", "p1-d2", "d-block-8"])
+STREAM_TOKENS = 22  # P's blocks [1, 2, 5, 6, 9, 10]: the last one half-filled
+
+
 @contextlib.contextmanager
 def pair(tmp_path, *, p_tp: int = 1, d_tp: int = 1, d_layout=None, p_digest: bool = True,
          p_faults: str = "", d_faults: str = "") -> Iterator[tuple[ServerProcess, ServerProcess]]:
@@ -48,12 +54,10 @@ def write_block(mem, block: int, parts: list[np.ndarray]) -> None:
         mem.block_view(r, block)[:] = part
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "d_block"), [(1, 1, 4), (2, 1, 4), (1, 2, 4), (1, 1, 8)],
-                         ids=["eq", "p2-d1", "p1-d2", "d-block-8"])
+@PAIRS
 async def test_every_block_of_a_stream_is_checked_and_a_half_filled_block_is_hashed_as_it_ends_up(
         tmp_path, p_tp, d_tp, d_block):
-    p_ids = [1, 2, 5, 6, 9, 10]  # 22 tokens: the last block half-filled
-    d_ids = list(range(20, 20 + -(-22 // d_block)))
+    p_ids, d_ids = [1, 2, 5, 6, 9, 10], list(range(20, 20 + -(-STREAM_TOKENS // d_block)))
     with pair(tmp_path, p_tp=p_tp, d_tp=d_tp, d_layout=layout_table(k=2, block=d_block)) as (p, d):
         async with session(p, d) as s:
             s.pe.fill([p_ids])  # what each block holds once computed
@@ -112,12 +116,10 @@ def rewrite_layers(mem, layout, block: int, layers: range, parts: dict[int, np.n
     return old
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "d_block"), [(1, 1, 4), (2, 1, 4), (1, 2, 4), (1, 1, 8)],
-                         ids=["eq", "p2-d1", "p1-d2", "d-block-8"])
+@PAIRS
 async def test_a_chunk_committed_layer_by_layer_is_read_as_its_layers_are_written_and_checked_once_whole(
         tmp_path, p_tp, d_tp, d_block):
-    p_ids = [1, 2, 5, 6, 9, 10]  # 22 tokens: the last block half-filled
-    d_ids = list(range(20, 20 + -(-22 // d_block)))
+    p_ids, d_ids = [1, 2, 5, 6, 9, 10], list(range(20, 20 + -(-STREAM_TOKENS // d_block)))
     with pair(tmp_path, p_tp=p_tp, d_tp=d_tp, d_layout=layout_table(k=2, block=d_block)) as (p, d):
         async with session(p, d) as s:
             s.pe.fill([p_ids])  # what each block holds once computed
