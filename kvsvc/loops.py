@@ -6,6 +6,9 @@ collector; once the loop is closed, finalising them runs their cleanup against a
 which raises inside whatever code the collector happened to interrupt. So a loop is stopped
 the way asyncio.run ends: every task left is cancelled and waited for, then async
 generators are shut down, and only then does the loop stop and close.
+
+And the other way: a thread that reports to a loop (`tell`) may outlive it (a stop that gave
+up waiting for the thread): what it reports then is dropped, never raised in the thread.
 """
 
 from __future__ import annotations
@@ -14,12 +17,26 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("kvsvc.loops")
 
 DRAIN_ROUNDS = 3  # a cancelled task may start others (gRPC's shutdown does): look again
 DRAIN_TIMEOUT_S = 5.0
 JOIN_TIMEOUT_S = 10.0
+
+
+def tell(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any) -> None:
+    """Run fn on loop (from another thread). A loop closed meanwhile -- its server stopped while a
+    job or READ of it was still here -- has nobody left waiting: nothing is told, and the
+    thread goes on rather than die on it."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        log.debug("a call for a closed event loop was dropped: %s", getattr(fn, "__name__", fn))
 
 
 async def cancel_pending_tasks(timeout_s: float = DRAIN_TIMEOUT_S) -> int:

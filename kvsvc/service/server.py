@@ -23,6 +23,7 @@ from kvsvc.discovery.etcd import EtcdClient
 from kvsvc.discovery.registry import Registration, ServerRecord
 from kvsvc.errors import FailedPrecondition
 from kvsvc.logs import as_json_line, json_lines
+from kvsvc.loops import tell
 from kvsvc.reasons import Reason
 from kvsvc.service.decode import Decoder
 from kvsvc.service.lease_socket import LeaseSocket
@@ -178,7 +179,7 @@ async def _serving(health_servicer: health.aio.HealthServicer, node: Node) -> No
     if node.data is not None:
         loop = asyncio.get_running_loop()
         # The NIXL thread ending on its own means no transfer can work: say so to health checks.
-        node.data.on_dead(functools.partial(loop.call_soon_threadsafe, _mark_down, health_servicer, node))
+        node.data.on_dead(functools.partial(tell, loop, _mark_down, health_servicer, node))
 
 
 async def _start_local_sockets(running: RunningServer) -> None:

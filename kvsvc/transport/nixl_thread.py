@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvsvc.loops import tell
 from kvsvc.transport.ports import Flight, TransferError
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ class NixlThread:
         wanted = {id(f) for f in flights}
         for fl in self._inflight:
             if id(fl) in wanted:
-                fl.loop.call_soon_threadsafe(_fail_future, fl.result, TransferError("transfer cancelled"))
+                tell(fl.loop, _fail_future, fl.result, TransferError("transfer cancelled"))
 
     @staticmethod
     def _end(fl: Flight) -> None:
@@ -267,7 +268,7 @@ class NixlThread:
                     fl.result.set_exception(error)
             fl.settled.set()
 
-        fl.loop.call_soon_threadsafe(resolve)
+        tell(fl.loop, resolve)
 
     def _poll(self) -> bool:
         """Advance every in-flight transfer once; True when something completed."""
@@ -317,7 +318,7 @@ class NixlThread:
             else:
                 fut.set_result(result)
 
-        loop.call_soon_threadsafe(resolve)
+        tell(loop, resolve)
 
     def _run_main(self) -> None:
         stopped = False
@@ -345,11 +346,11 @@ class NixlThread:
                 continue
             _fn, _args, fut, loop = job
             if fut is not None:
-                loop.call_soon_threadsafe(_fail_future, fut, dead)
+                tell(loop, _fail_future, fut, dead)
         for fl in self._inflight:
             # The result fails, but `settled` stays unset: a READ NIXL was running may still
             # land (an RDMA NIC does not need this thread), so its blocks are never called free.
-            fl.loop.call_soon_threadsafe(_fail_future, fl.result, dead)
+            tell(fl.loop, _fail_future, fl.result, dead)
         self._inflight = []
 
     def _main(self) -> None:

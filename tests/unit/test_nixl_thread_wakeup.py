@@ -83,3 +83,27 @@ async def test_an_idle_thread_sleeps_until_peers_connected_then_beats_slowly():
         assert 2 <= beats <= 8, beats
     finally:
         await asyncio.to_thread(t.stop)
+
+
+def test_a_job_whose_loop_closed_before_it_ended_leaves_the_thread_running():
+    """A server stopped (its loop closed) while a job of it still ran here -- its stop gave up
+    waiting for the thread under load: the result has nobody to go to, and the thread neither
+    dies on it nor reports itself dead to that closed loop (which raised in the thread: seen
+    failing an unrelated test)."""
+    t = NixlThread("test-nixl")
+    t.start()
+    release = threading.Event()
+    try:
+        gone = asyncio.new_event_loop()
+        fut = gone.create_future()
+        t._submit((release.wait, (), fut, gone))
+        gone.close()
+        release.set()  # the job ends after its loop closed
+        dead: list[bool] = []
+        t.on_dead = lambda: dead.append(True)
+        assert asyncio.run(t.call(lambda: "still here")) == "still here"
+        assert t.alive and not dead
+    finally:
+        release.set()
+        t.stop()
+    assert not t.alive
