@@ -56,7 +56,7 @@ timeout 150 "$PY" -m kvsvc.cli.main bench --memory dram --runs 5 --max-mib 64 --
     --json "$OUT/bench-dram.json" 2>&1 | tee "$OUT/bench-dram.txt" | tail -45
 fi
 
-step "vLLM P/D on one GPU: kvsvc and NixlConnector against the aggregated engine (tests/gpu/vllm_pd_one_gpu.py)"
+step "vLLM P/D on one GPU: kvsvc and NixlConnector against the aggregated engine, then kvsvc streamed (tests/gpu/vllm_pd_one_gpu.py)"
 if "$PY" -c "import vllm" 2>/dev/null; then
     timeout 540 "$PY" -m tests.gpu.vllm_pd_one_gpu --out "$OUT" 2>&1 | tee "$OUT/vllm-pd.txt" | tail -20
 else

