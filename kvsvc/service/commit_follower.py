@@ -95,14 +95,15 @@ class CommitFollower:
                                   {"num_tokens": ",".join(str(c.num_tokens) for c in per_leg)})
         return out
 
-    def partial(self) -> Partial | None:
+    def partial(self, committed: Sequence[np.ndarray]) -> Partial | None:
         """The chunk committed layer by layer, as every P server has it (None: what they
-        committed is whole): whole where every server's is, in the layers all wrote."""
+        committed is whole): whole where every server's is, in the layers all wrote.
+        committed: what committed() answered."""
         per_leg = list(self._of.values())
         if all(c.partial is None for c in per_leg):
             return None
         whole, layers = [], []
-        for g, n in enumerate(b.size for b in self.committed()):
+        for g, n in enumerate(b.size for b in committed):
             whole.append(min(n, *(c.blocks[g].size - (c.partial.blocks[g] if c.partial else 0) for c in per_leg)))
             layers.append(min(c.partial.layers_done[g] for c in per_leg if c.partial is not None))
         tokens = min(c.partial.whole_num_tokens if c.partial else c.num_tokens for c in per_leg)

@@ -279,8 +279,9 @@ class TransferRun:
             if follower.final and self.final_heard is None:
                 self.final_heard = time.perf_counter()  # what follows is the transfer's unhidden part
             _check_ended_reads(self.posted)  # a READ of an earlier chunk that failed ends the stream now
-            chunks = growing.next(follower.committed(), num_tokens=follower.num_tokens, final=follower.final,
-                                  partial=follower.partial())
+            committed = follower.committed()
+            chunks = growing.next(committed, num_tokens=follower.num_tokens, final=follower.final,
+                                  partial=follower.partial(committed))
             if not chunks:
                 continue
             for chunk in chunks:  # (a chunk committed layer by layer: some layers of its blocks)
