@@ -36,6 +36,10 @@ class KVCacheGroup:
                 yield name, self.spec
 
     @property
+    def num_layers(self) -> int:
+        return sum(1 for _ in self.layers())
+
+    @property
     def family(self) -> SpecFamily:
         return spec_family(self.spec)
 

@@ -69,7 +69,7 @@ def _checked_layers(node: Node, layers_done: Sequence[int]) -> tuple[int, ...]:
         raise bad_field("layers_done", f"names {len(layers_done)} groups, the layout has {len(groups)}",
                         Reason.UNKNOWN_GROUP, groups=len(layers_done), layout_groups=len(groups))
     for g, (n, group) in enumerate(zip(layers_done, groups, strict=True)):
-        have = len(list(group.layers()))
+        have = group.num_layers
         if n > have:
             raise bad_field("layers_done", f"group {g} has {have} layers, not {n}", Reason.INVALID_FIELD,
                             group=g, layers_done=n, layers=have)
