@@ -110,13 +110,17 @@ def test_streamed_requests_equal_the_aggregated_run(streamed, reference):
         # The chunk completing each prompt was committed layer by layer as P's forward saved them.
         assert p.wait_metric("vllm:kvsvc_layer_commits_total", 2) >= 2
         # A prompt whose last chunk fills whole blocks (128 tokens: chunks 64 and 64, blocks of
-        # 16 or 32): D reads those blocks' first layer while P computes the rest -- the bytes
-        # of a layer read before the forward wrote it would change the answer.
+        # 16 or 32): P commits those blocks' first layers while it computes the rest, and D may
+        # read them then -- the bytes of a layer read before the forward wrote it would change
+        # the answer. Whether D's wait is outstanding when a partial commit lands is timing
+        # (D may still be reading the first chunk and then see the whole one), so only P's
+        # commits are asserted here; tests/e2e/test_progressive_digests.py reads partial
+        # chunks deterministically, holding each commit.
         growing_before = chunks_read(d)[0]
         routed = r.post("/v1/completions", completion(PROMPTS[8], 8))
         same([tokens_and_logprobs(routed)], [reference["all"][8]], batched=True)  # (the reference batched it)
         assert p.wait_metric("vllm:kvsvc_layer_commits_total", 3) >= 3
-        assert d.wait_metric("vllm:kvsvc_streamed_chunks_growing_total", growing_before + 2) >= growing_before + 2
+        print(f"D read {chunks_read(d)[0] - growing_before:.0f} growing chunks of the 128-token prompt")
         print(f"D read {growing:.0f} chunks while P prefilled and {final:.0f} after")  # timing, not asserted
         # kvsvc's overhead above the READs is counted for pulled transfers only (a stream's
         # call also waits for P's prefill).
