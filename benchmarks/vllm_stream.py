@@ -52,7 +52,7 @@ from benchmarks.vllm_pd import CONNECTORS, cpu_seconds, histogram, stream
 from kvsvc.integrations.vllm import stream_params
 from tests.hosts.harness import Host, available, hosts
 from tests.vllm.engines import kernel_block_size
-from tests.vllm.served import Served, completion
+from tests.vllm.served import Served, amx_site, completion
 
 PORT = 8000
 NIXL_SIDE_PORT = 5600
@@ -79,7 +79,7 @@ def serve(host: Host, name: str, cpu: int, model: str, connector: dict[str, Any]
             *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "VLLM_SERVER_DEV_MODE": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": host.address,
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_PORT)}
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_PORT), **amx_site(connector)}
     return Served(name, argv, logs, PORT, env, host=host.address)
 
 

@@ -14,7 +14,8 @@ from kvsvc.service.faults import D_POINTS, NONE, P_POINTS, STREAM_POINTS
 CYCLE = ["read_error", "cancel_mid_read", "claim_lost", "corrupt_landed", "lease_released", "block_rewritten",
          NONE, NONE]
 # The matrix's requests are pulled: a point only a stream meets has its own test
-# (stream_stalled: tests/vllm/test_progressive.py, a P killed mid-stream).
+# (stream_stalled: tests/vllm/test_progressive.py, a P killed mid-stream; wait_unanswered:
+# tests/e2e/test_progressive.py, D asking again).
 assert set(CYCLE) - {NONE} == (D_POINTS | P_POINTS) - STREAM_POINTS, "every fault point is in the matrix"
 # The typed error each point ends its transfer with (tests/e2e/test_faults.py pins them);
 # both content points end DIGEST_MISMATCH.

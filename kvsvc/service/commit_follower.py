@@ -13,13 +13,15 @@ commits made whole, per P rank, kept here for the check of what landed (content.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvsvc.codec import block_ids_from_proto
-from kvsvc.errors import InvalidArgument
+from kvsvc.errors import DeadlineExceeded, InvalidArgument
 from kvsvc.layout.engine import EngineLayout
 from kvsvc.layout.kinds import policy_of
 from kvsvc.layout.specs import SpecFamily
@@ -28,6 +30,8 @@ from kvsvc.mapping.progressive import GroupShape, Partial
 from kvsvc.reasons import Reason
 from kvsvc.service.legs import LeaseClock, Leg, Ownership
 from kvsvc.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # A wait for the next commit is held on P at most this long (then asked again): short enough
 # that a P which stopped answering is noticed by the call's own timeout, long enough that an
@@ -57,10 +61,12 @@ class CommitFollower:
     with the digests of the blocks made whole)."""
 
     def __init__(self, legs: Sequence[Leg], own: Ownership, group_layers: Sequence[int], *,
-                 want_content: bool = False) -> None:
-        """group_layers: per group of D's layout, its layers (P's layout has as many)."""
+                 want_content: bool = False, on_unanswered: Callable[[], None] = lambda: None) -> None:
+        """group_layers: per group of D's layout, its layers (P's layout has as many).
+        on_unanswered: called for each wait P did not answer in time (asked again)."""
         self.legs, self.own, self.want_content = list(legs), own, want_content
         self.group_layers = tuple(group_layers)
+        self.on_unanswered = on_unanswered
         self._of = {id(leg): _LegCommits(blocks=[np.empty(0, np.int64)] * len(group_layers)) for leg in legs}
 
     @property
@@ -115,19 +121,35 @@ class CommitFollower:
         reads_done: every READ D posted of what it was handed has ended (P then need not
         progress its data plane for this lease until it hands more). Errors are P's
         (LEASE_EXPIRED once the lease was released) or the call's."""
-        wait_s = max(0.0, min(COMMIT_WAIT_S, MAX_WAIT_MS / 1000, time_left_s - COMMIT_WAIT_MARGIN_S))
+        until = time.monotonic() + time_left_s
         behind = [leg for leg in self.legs if not self._of[id(leg)].final]
-        answers = await asyncio.gather(*(self._wait_one(leg, wait_s, reads_done) for leg in behind))
+        answers = await asyncio.gather(*(self._wait_one(leg, until, reads_done) for leg in behind))
         for leg, resp in zip(behind, answers, strict=True):
             self._take(leg, resp)
 
-    async def _wait_one(self, leg: Leg, wait_s: float, reads_done: bool) -> pb.WaitCommitResponse:
+    async def _wait_one(self, leg: Leg, until: float, reads_done: bool) -> pb.WaitCommitResponse:
         p = self.own.params
         req = pb.WaitCommitRequest(request_id=p.remote_request_id, lease_epoch=leg.peer.epoch,
                                    engine_id=self.own.engine_id, claim_id=self.own.claim_id,
-                                   after_epoch=self._of[id(leg)].epoch, wait_ms=int(wait_s * 1000),
-                                   want_content=self.want_content, reads_done=reads_done, reads_layers=True)
-        return await leg.peer.client.wait_commit(req, timeout_s=wait_s + COMMIT_WAIT_MARGIN_S)
+                                   after_epoch=self._of[id(leg)].epoch, want_content=self.want_content,
+                                   reads_done=reads_done, reads_layers=True)
+        while True:
+            wait_s = max(0.0, min(COMMIT_WAIT_S, MAX_WAIT_MS / 1000, until - time.monotonic() - COMMIT_WAIT_MARGIN_S))
+            req.wait_ms = int(wait_s * 1000)
+            try:
+                return await leg.peer.client.wait_commit(req, timeout_s=wait_s + COMMIT_WAIT_MARGIN_S)
+            except DeadlineExceeded:
+                # No answer in time: P's event loop stalled (a host busy for seconds, a long
+                # pause) or P stopped. The question stays the same (after_epoch), so it is asked
+                # again while P holds the lease as D last heard it and the transfer has time
+                # left: a stall ends a stream no more than it ends a lease. A P that stopped for
+                # good is given up when its lease would have ended (P releases it then).
+                self.on_unanswered()
+                lease_over = leg.clock is not None and leg.clock.expired
+                if lease_over or until - time.monotonic() <= COMMIT_WAIT_MARGIN_S:
+                    raise
+                log.info("%s did not answer a wait for commits of %s in time; asking again", leg.peer.address,
+                         p.remote_request_id)
 
     def _take(self, leg: Leg, resp: pb.WaitCommitResponse) -> None:
         c = self._of[id(leg)]

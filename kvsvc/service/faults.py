@@ -20,7 +20,10 @@ RELIABILITY.md's table):
   stream_stalled (a progressive lease takes its first chunk and no later commit reaches D:
   P's engine hung mid-prefill -- a wedged worker, a stuck device; the commits are answered
   as made and dropped, so the engine goes on and a test can kill P while D waits on a
-  growing lease). A lease made whole ignores it.
+  growing lease), wait_unanswered (the first wait for a progressive lease's next commit after
+  D read something is never answered -- held until the caller's own deadline ends it: P's
+  event loop stalled for seconds, a busy host or a long pause; the lease and its commits go
+  on). A lease made whole ignores both.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ log = logging.getLogger(__name__)
 
 ENV = "KVSVC_FAULTS"
 D_POINTS = frozenset({"read_error", "cancel_mid_read", "claim_lost", "corrupt_landed"})
-P_POINTS = frozenset({"lease_released", "block_rewritten", "stream_stalled"})
-STREAM_POINTS = frozenset({"stream_stalled"})  # points only a progressive lease meets
+P_POINTS = frozenset({"lease_released", "block_rewritten", "stream_stalled", "wait_unanswered"})
+STREAM_POINTS = frozenset({"stream_stalled", "wait_unanswered"})  # points only a progressive lease meets
 NONE = "-"
 MAX_CYCLE = 1024
 

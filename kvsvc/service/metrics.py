@@ -76,6 +76,9 @@ class Metrics:
                                       "server: from hearing of P's final commit to the answer (the last chunk's "
                                       "READs and the confirm) -- the part not hidden behind P's prefill",
                                       ["engine"], buckets=SECONDS, registry=r)
+        self._waits_unanswered = Counter("kvsvc_commit_waits_unanswered", "Waits for a progressive lease's next "
+                                         "commit that its P server did not answer in time (a stalled or stopped "
+                                         "P; asked again while its lease holds)", ["engine"], registry=r)
         self._gauges: list[Gauge] = []
         self._http: Any = None
         self._seen: dict[str, set[str]] = {"peer_engine": set(), "reason": set()}
@@ -86,6 +89,7 @@ class Metrics:
         # first event hides that event from rate() and increase(), and from the alerts on them.
         self._child(self._nixl_errors, self.engine)
         self._child(self._rehandshakes, self.engine)
+        self._child(self._waits_unanswered, self.engine)
         for reason in ("consumed", "expired", "aborted"):
             self._child(self._releases, self.engine, reason)
 
@@ -151,6 +155,9 @@ class Metrics:
 
     def progressive_read(self, growing: bool) -> None:
         self._child(self._progressive_reads, self.engine, "growing" if growing else "final").inc()
+
+    def commit_wait_unanswered(self) -> None:
+        self._child(self._waits_unanswered, self.engine).inc()
 
     def content_mismatch(self) -> None:
         self._child(self._content, self.engine, "mismatch").inc()

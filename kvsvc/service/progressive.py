@@ -97,6 +97,9 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
                         Reason.MISSING_FIELD)
     if req.wait_ms > MAX_WAIT_MS:
         raise too_big("wait_ms", req.wait_ms, MAX_WAIT_MS, "ms")
+    faulted = node.leases.get(req.request_id)
+    if faulted is not None and faulted.fault == "wait_unanswered" and req.after_epoch >= 1:
+        await _unanswered(node, faulted)
     lease, seen, since = await node.leases.wait_commit(req.request_id, req.lease_epoch, claim_id=req.claim_id,
                                                        d_engine_id=req.engine_id, after_epoch=req.after_epoch,
                                                        timeout_s=req.wait_ms / 1000, reads_done=req.reads_done,
@@ -117,6 +120,15 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
 
 
 # ---- injected faults (service/faults.py: tests only) ---------------------------------------
+
+async def _unanswered(node: Node, lease: Lease) -> None:
+    """wait_unanswered, once a lease: this wait is never answered; the call ends at the
+    caller's deadline (grpc cancels it here), as a wait on a stalled P does."""
+    assert node.faults is not None
+    lease.fault = ""
+    node.faults.injected_now("wait_unanswered")
+    await asyncio.Event().wait()  # set by nobody: only the call's cancellation ends it
+
 
 def _stalled(node: Node, lease: Lease, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
     """stream_stalled: the lease keeps its first chunk; this later commit is answered as made

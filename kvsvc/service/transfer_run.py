@@ -194,7 +194,8 @@ class TransferRun:
         self.own = Ownership(p, node.config.engine_id, node.config.tp_size, secrets.token_hex(16),
                              node.layout.dcp_size, traceparent(self.span))
         self.follower = CommitFollower(self.legs, self.own, [g.num_layers for g in node.layout.groups],
-                                       want_content=node.config.content_digest)
+                                       want_content=node.config.content_digest,
+                                       on_unanswered=node.metrics.commit_wait_unanswered)
         return ProgressiveBlocks(local_ids, group_shapes(node.layout), prefix_tokens=self.req.local_prefix_tokens,
                                  local_block_size=node.layout.block_size, remote_block_size=side.layout.block_size)
 

@@ -433,3 +433,39 @@ async def test_a_p_engine_over_two_servers_streams_each_servers_lease_and_d_read
         d.stop()
         for sp in p_procs:
             sp.stop()
+
+
+
+async def logged(sp, text: str, moving: asyncio.Future) -> None:
+    """Until sp's output has a line with text (the transfer `moving` must not end first)."""
+    while not any(text in line for line in list(sp.output)):
+        if moving.done():
+            raise AssertionError(f"the transfer ended before {text!r} was logged: {moving.result()}")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_wait_p_leaves_unanswered_is_asked_again_and_the_stream_lands_its_bytes():
+    """P does not answer D's wait for the next commit before the call's deadline (the
+    wait_unanswered fault: a P whose event loop stalled for seconds -- seen on a busy 2-core
+    host -- though its lease holds): D asks again, and once P commits, the stream lands P's
+    bytes. A D that gave the stream up at the first unanswered wait failed requests of a P
+    that was only slow (and vLLM recomputed them)."""
+    p = start_server(engine_id="e2e-prefill", role="prefill", tp_size=1, layout=LAYOUT,
+                     extra_env={"KVSVC_FAULTS": "wait_unanswered"})
+    d = start_server(engine_id="e2e-decode", role="decode", tp_size=1, layout=LAYOUT, global_args=["-v"])
+    try:
+        async with session(p, d) as s:
+            p_ids, d_ids = [1, 2, 5], [11, 12, 13]
+            s.pe.fill([p_ids])
+            params = (await s.pc.publish_blocks_request(opening("slow-p", [1, 2]))).params
+            moving = asyncio.ensure_future(s.dc.transfer("d-slow-p", params, [d_ids], timeout_s=60))
+            await logged(d, "did not answer a wait for commits of slow-p in time; asking again", moving)
+            await s.pc.commit_blocks(committing(params, 2, [5], 10, final=True))
+            resp = await asyncio.wait_for(moving, 60)
+            assert (resp.chunks_read_growing, resp.chunks_read_final) == (1, 1)
+            assert not s.de.check([d_ids], num_tokens=10)
+            (ev,) = await s.watch.wait_for("slow-p")
+            assert ev.reason == pb.RELEASE_REASON_CONSUMED
+    finally:
+        d.stop()
+        p.stop()
