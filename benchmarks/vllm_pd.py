@@ -110,8 +110,19 @@ def run_pair(name: str, model: Path, logs: Path, warm_up: list[list[int]], promp
         p.wait_ready()
         d.wait_ready()
         for prompt in warm_up:  # warm-up: first contact, handshakes, allocator
-            params = p.post("/v1/completions", completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
-            decode_streamed(d, prompt, params["kv_transfer_params"], 2)
+            for attempt in (1, 2):
+                params = p.post("/v1/completions", completion(prompt, 1,
+                                                              kv_transfer_params={"do_remote_decode": True}))
+                try:
+                    decode_streamed(d, prompt, params["kv_transfer_params"], 2)
+                    break
+                except RuntimeError as e:
+                    # First contact: NixlConnector's handshake fails its request when P's side
+                    # channel takes over 5 s to answer (a constant in vLLM 0.32), as a busy or
+                    # paging CPU host does; the next request handshakes again.
+                    if attempt == 2:
+                        raise
+                    print(f"  {name}: a warm-up request failed ({e}); once more", file=sys.stderr)
         d.post("/reset_prefix_cache")
         cpu0 = (cpu_seconds(p), cpu_seconds(d))
         h0 = histogram(d, conf["histogram"])
