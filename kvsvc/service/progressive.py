@@ -5,6 +5,7 @@ commits, and D's waits for the next one. The state and its rules are the lease t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Sequence
@@ -122,12 +123,14 @@ async def wait_commit(node: Node, req: pb.WaitCommitRequest, peer_names: Sequenc
 # ---- injected faults (service/faults.py: tests only) ---------------------------------------
 
 async def _unanswered(node: Node, lease: Lease) -> None:
-    """wait_unanswered, once a lease: this wait is never answered; the call ends at the
-    caller's deadline (grpc cancels it here), as a wait on a stalled P does."""
+    """wait_unanswered, once a lease: this wait is not answered while the lease lives; the
+    call ends at the caller's deadline (grpc cancels it here), as a wait on a stalled P does
+    (a caller with no deadline is answered once the lease's time is up)."""
     assert node.faults is not None
     lease.fault = ""
     node.faults.injected_now("wait_unanswered")
-    await asyncio.Event().wait()  # set by nobody: only the call's cancellation ends it
+    with contextlib.suppress(TimeoutError):  # set by nobody: the call's cancellation or the lease's end
+        await asyncio.wait_for(asyncio.Event().wait(), max(0.0, lease.expires_at - time.monotonic()))
 
 
 def _stalled(node: Node, lease: Lease, req: pb.CommitBlocksRequest) -> pb.CommitBlocksResponse:
