@@ -249,8 +249,9 @@ def run_pair(name: str, a: Host, b: Host, logs: Path, cells: list[tuple[int, int
     conf = CONNECTORS["nixl" if name == "nixl" else "kvsvc"]
     p_conf, d_conf = dict(conf["p"]), dict(conf["d"])
     if name != "nixl":
-        p_conf["kv_connector_extra_config"] = {"listen_host": a.address, "transfer_timeout_s": 600}
-        d_conf["kv_connector_extra_config"] = {"listen_host": b.address, "transfer_timeout_s": 600}
+        # The default deadlines: a streamed load's (stream_timeout_s) holds P's queue and prefill.
+        p_conf["kv_connector_extra_config"] = {"listen_host": a.address}
+        d_conf["kv_connector_extra_config"] = {"listen_host": b.address}
     if name == "kvsvc-chunks":  # the last chunk committed whole, after P's forward (no layer commits)
         p_conf["kv_connector_extra_config"]["layer_commits"] = 0
     chunk = ("--max-num-batched-tokens", str(args.chunk))

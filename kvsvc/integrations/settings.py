@@ -45,10 +45,14 @@ class EngineSettings:
     """P: how long a lease waits for D's claim (0: the server's lease_ttl_s)."""
     transfer_timeout_s: float = 120.0
     """D: a transfer not done by then fails (its request is recomputed or failed, by the engine's policy)."""
+    stream_timeout_s: float = 600.0
+    """D: the same for a streamed transfer (P's lease still growing), at least transfer_timeout_s.
+    It begins before P prefills, so it holds P's queue and prefill, which a pulled transfer's
+    (begun after P answered) does not: as long as kvsvc's router waits for P (--timeout-s)."""
     progressive: bool = False
     """P (SGLang): open each request's lease at its first chunk and commit each later chunk as
     it is computed, so D reads while P still prefills (docs/ARCHITECTURE.md, "Progressive
-    pull"). D follows whatever P sends. vLLM: not yet (refused at start)."""
+    pull"). D follows whatever P sends. vLLM: refused at start (its router decides, per request)."""
     layer_commits: int = 4
     """P (vLLM): the chunk that completes a streamed prompt is committed in up to this many
     parts as its forward computes the layers, so D reads them meanwhile (0 or 1: whole,
@@ -57,6 +61,10 @@ class EngineSettings:
     """A kvsvc TOML file whose [server] keys apply to every embedded server."""
     server: Mapping[str, Any] = field(default_factory=dict)
     """[server] settings given inline (SERVER_KEYS), checked and typed as the TOML file's are."""
+
+    def timeout_for(self, progressive: bool) -> float:
+        """D: the deadline of a transfer of a lease that is (or is not) progressive."""
+        return max(self.stream_timeout_s, self.transfer_timeout_s) if progressive else self.transfer_timeout_s
 
     @classmethod
     def keys(cls) -> frozenset[str]:
@@ -104,9 +112,10 @@ class EngineSettings:
         if not 0 <= self.lease_heartbeat_s <= MAX_SECONDS:
             raise ValueError(f"{where}.lease_heartbeat_s must be a number of seconds from 0 (off) to "
                              f"{MAX_SECONDS:.0f}, not {self.lease_heartbeat_s}")
-        if not 0 < self.transfer_timeout_s <= MAX_SECONDS:
-            raise ValueError(f"{where}.transfer_timeout_s must be more than 0 and at most {MAX_SECONDS:.0f} "
-                             f"seconds, not {self.transfer_timeout_s}")
+        for name in ("transfer_timeout_s", "stream_timeout_s"):
+            if not 0 < getattr(self, name) <= MAX_SECONDS:
+                raise ValueError(f"{where}.{name} must be more than 0 and at most {MAX_SECONDS:.0f} "
+                                 f"seconds, not {getattr(self, name)}")
         if not 0 <= self.layer_commits <= MAX_LAYER_COMMITS:
             raise ValueError(f"{where}.layer_commits must be from 0 to {MAX_LAYER_COMMITS}, not {self.layer_commits}")
         if self.lease_ttl_ms < 0:

@@ -29,6 +29,8 @@ def test_known_keys_are_read_as_their_types_and_server_keys_checked_as_the_toml_
     ({"listen_port": 70_000}, "listen_port"),
     ({"lease_ttl_ms": 1.5}, "lease_ttl_ms"),
     ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
+    ({"stream_timeout_s": -5}, "stream_timeout_s"),
+    ({"stream_timeout_s": 86_400}, "stream_timeout_s"),
     ({"lease_heartbeat_s": -1}, "lease_heartbeat_s"),
     ({"model_id": "m" * 201}, "model_id"),
     ({"progressive": 1}, "progressive"),  # true or false, not a number
@@ -61,3 +63,11 @@ def test_progressive_is_a_boolean_read_from_the_environment_as_json():
     with pytest.raises(ValueError) as e:
         EngineSettings.from_environment({"KVSVC_SGLANG_PROGRESSIVE": "1"}, "KVSVC_SGLANG_")
     assert "progressive" in str(e.value)
+
+
+def test_a_streamed_load_s_deadline_is_stream_timeout_s_and_never_shorter_than_a_pulled_one_s():
+    s = EngineSettings.from_environment({"KVSVC_SGLANG_STREAM_TIMEOUT_S": "300", "KVSVC_SGLANG_TRANSFER_TIMEOUT_S": "30"},
+                                        "KVSVC_SGLANG_")
+    assert (s.timeout_for(progressive=False), s.timeout_for(progressive=True)) == (30, 300)
+    assert EngineSettings().timeout_for(progressive=True) == 600  # P's queue and prefill: the router's bound on P
+    assert EngineSettings(transfer_timeout_s=900, stream_timeout_s=300).timeout_for(progressive=True) == 900

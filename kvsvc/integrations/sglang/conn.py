@@ -502,7 +502,7 @@ class KvsvcKVManager(CommonKVManager):
                     room.fail()
                     return
                 fut = self.kvsvc.transfer(request_id(room_id), params, self._groups(room.pages, room.window),
-                                          self.settings.transfer_timeout_s)
+                                          self.settings.timeout_for(params.progressive))
                 room.run(fut)
         if failure is not None:
             self.record_failure(room_id, failure)

@@ -13,7 +13,8 @@ rank, so firewalls and NetworkPolicies can name them; default 0: any free port),
 (what P and D must agree on; default: the model's architecture and a digest of its config,
 vLLM version, dtypes and speculative decoding, not its path), lease_heartbeat_s (D: how
 often the P leases of requests waiting in D's queue are heartbeated, default 5; 0: never),
-transfer_timeout_s (D, default 120), lease_ttl_ms (P: how long a lease waits for D's claim;
+transfer_timeout_s (D, default 120), stream_timeout_s (D: a streamed load, which holds
+P's queue and prefill; default 600), lease_ttl_ms (P: how long a lease waits for D's claim;
 0: lease_ttl_s), config (a kvsvc TOML file for the embedded servers), and the embedded
 servers' settings lease_ttl_s, max_lease_ttl_s, peer_timeout_s, allowed_peers,
 allowed_engines, tls_cert_file, tls_key_file, tls_client_ca_file, peer_tls_ca_file,
@@ -201,7 +202,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
                                    advertise_host=settings.advertise_host or None, server_overrides=dict(settings.server),
                                    client_options=_client_options(settings.server, self._engine_id),
                                    heartbeat_s=settings.lease_heartbeat_s, listen_port=settings.listen_port,
-                                   transfer_timeout_s=settings.transfer_timeout_s, config_path=settings.config or None)
+                                   timeout_for=settings.timeout_for, config_path=settings.config or None)
         self._worker.start(description)
         if self._kv_role is not Role.DECODE:
             self._worker.stream_layers([list(g.layer_names) for g in self._kv_cache_config.kv_cache_groups],

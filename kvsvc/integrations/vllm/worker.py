@@ -33,6 +33,7 @@ from kvsvc.errors import KvsvcError
 from kvsvc.integrations.description import CacheDescription
 from kvsvc.integrations.embedded import EmbeddedServer
 from kvsvc.integrations.loop import LoopThread
+from kvsvc.integrations.settings import EngineSettings
 from kvsvc.integrations.vllm import params as kvparams
 from kvsvc.integrations.vllm.layer_commits import LayerCommits, PartialCommit
 from kvsvc.integrations.vllm.layout import kernel_block_ids
@@ -53,7 +54,8 @@ from kvsvc.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("vllm.kvsvc")  # under vLLM's logger: its handlers and level apply
 
-TRANSFER_TIMEOUT_S = 120.0  # the default of EngineSettings.transfer_timeout_s
+DEFAULTS = EngineSettings()  # a load's deadlines, when none are given
+
 # Far more requests than can finish within any lease's lifetime.
 FINISHED_REMEMBERED = 1 << 18
 # A revoke runs before the forward that may overwrite the blocks: the engine waits for it,
@@ -78,14 +80,14 @@ class KvsvcWorker:
     def __init__(self, *, engine_id: str, role: Role, tp_rank: int, tp_size: int, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, server_overrides: dict[str, Any] | None = None,
                  client_options: ClientOptions | None = None, heartbeat_s: float = LEASE_HEARTBEAT_S,
-                 listen_port: int = 0, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+                 listen_port: int = 0, timeout_for: Callable[[bool], float] = DEFAULTS.timeout_for,
                  config_path: str | None = None) -> None:
         self.engine_id, self.role, self.tp_rank, self.tp_size = engine_id, role, tp_rank, tp_size
         self._listen_host, self._advertise_host = listen_host, advertise_host or listen_host
         self._listen_port = listen_port
         self._overrides = dict(server_overrides or {})
         self._config_path = config_path  # a kvsvc TOML whose [server] keys apply (overrides win)
-        self._transfer_timeout_s = transfer_timeout_s
+        self._timeout_for = timeout_for  # a load's deadline: streamed (True) or pulled
         self._options = client_options
         # This rank's server, on its own loop thread: P's leases and their releases, D's
         # transfers as calls on that loop (integrations/embedded.py).
@@ -437,7 +439,7 @@ class KvsvcWorker:
         # No await before transfer_here: a cancel that comes first is found there.
         params = kvparams.from_vllm(recv.params)
         local = kernel_block_ids(recv.local_block_ids, self._blocks_per_logical)
-        return await embedded.transfer_here(req_id, params, local, self._transfer_timeout_s,
+        return await embedded.transfer_here(req_id, params, local, self._timeout_for(params.progressive),
                                             local_prefix_tokens=recv.prefix_tokens)
 
     def _settle(self, req_id: str, recv: Receive, fut: concurrent.futures.Future[Any]) -> None:
