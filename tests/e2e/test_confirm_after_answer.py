@@ -121,3 +121,7 @@ async def test_p_refuses_an_early_claim_that_reads_a_progressive_lease_whole():
         claim.blocks_digest = b""  # the claim a progressive D makes is granted
         await pc.claim_lease(claim)
         assert p.node.leases.get("grow").claims
+        # D gives its claim up: the lease ends now (not held by P's shutdown drain)
+        await pc.notify(pb.NotifyRequest(request_id="grow", kind=pb.NOTIFY_KIND_ABORTED, engine_id="caa-d", tp_size=1,
+                                         lease_epoch=params.remote_epoch, claim_id=claim.claim_id))
+        assert await lease_ended(p, "grow") is LeaseState.ABORTED

@@ -20,7 +20,7 @@ from kvsvc.config import Role
 from kvsvc.errors import KvsvcError
 from kvsvc.integrations.sglang.embedded import SGLangServer
 from kvsvc.integrations.sglang.layout import SGLangPools, SGLangWindowPool, describe
-from kvsvc.leases.table import LeaseState
+from kvsvc.leases.table import LeaseState, NotifyKind
 from kvsvc.v1 import kv_transfer_pb2 as pb
 
 LAYERS, PAGES, HEADS, HEAD_DIM = 2, 16, 2, 8
@@ -213,6 +213,12 @@ def test_a_withdraw_on_a_stalled_loop_is_answered_only_once_it_ran(pair):
     claimed.result(30)
     assert answer.result(30) is False  # D holds a claim: the pages stay SGLang's to keep
     assert not done.is_set() and released == []
+
+    async def give_up() -> None:  # D gives its claim up: the room ends with that release
+        p.server.node.leases.notify("stalled", NotifyKind.ABORTED, [0], params.remote_epoch, claim_id="c" * 32)
+
+    p.loop.submit(give_up()).result(30)
+    assert done.wait(30) and released == [("stalled", LeaseState.ABORTED)]
 
 
 def test_params_of_a_reused_room_never_read_the_next_request_as_good(pair):
