@@ -120,6 +120,10 @@ async def test_mtls_doors_are_closed(tmp_path):
                                                     engine_id="tls-d2", tp_size=1, lease_epoch=epoch,
                                                     lease_token=token))
             assert e.value.reason == "LEASE_NOT_OWNER"
+            # ...its owner can (and so ends it now, not at P's shutdown drain).
+            await as_d.notify(pb.NotifyRequest(request_id="owned", kind=pb.NOTIFY_KIND_ABORTED, engine_id="tls-d",
+                                               tp_size=1, lease_epoch=epoch, claim_id="d" * 32))
+            assert not (await pc.list_leases(request_ids=["owned"])).leases
             # D reads only from allowed P engines...
             evil = pb.TransferParams(remote_address=p.address, remote_engine_id="evil", remote_request_id="r",
                                      remote_epoch=epoch, remote_block_ids_per_group=[pb.BlockIds(block_ids=[1])])
