@@ -325,6 +325,10 @@ async def test_the_stream_stalled_fault_keeps_the_first_chunk_and_drops_every_la
             now = await s.pc.wait_commit(waiting(params, claim_id, 1, 0))
             assert (now.commit_epoch, now.final, ids(now)) == (2, False, [[2]])
             assert (await s.pc.list_leases(request_ids=["stalled"])).leases[0].num_blocks == 2
+            # D gives the stalled stream up: the lease ends now, not at P's shutdown drain
+            await s.pc.notify(pb.NotifyRequest(request_id="stalled", kind=pb.NOTIFY_KIND_ABORTED, engine_id="d-engine",
+                                               tp_size=1, lease_epoch=params.remote_epoch, claim_id=claim_id))
+            assert not (await s.pc.list_leases(request_ids=["stalled"])).leases
             s.pe.fill([[5]])
             whole = await s.pc.publish_blocks("whole", [[5]])
             await s.dc.transfer("d-whole", whole.params, [[9]])
