@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvsvc.integrations.amx import cpu_has_amx
+
 ROOT = Path(__file__).resolve().parents[2]
 KVSVC = {"kv_connector": "KvsvcConnector", "kv_connector_module_path": "kvsvc.integrations.vllm"}
 
@@ -127,6 +129,18 @@ def still_serving(address: str, grace_s: float = 15.0) -> bool:
         time.sleep(0.2)
 
 
+AMX_SITE = Path(__file__).resolve().parent / "amx_site"
+
+
+def amx_site(connector: dict[str, Any] | None) -> dict[str, str]:
+    """PYTHONPATH for a PD engine whose connector is not kvsvc's, on a CPU with AMX: its
+    processes ask for AMX tile data at start (amx_site/sitecustomize.py), as kvsvc's connector
+    does in its worker -- else its decode worker dies on its first, one-token forward."""
+    if not connector or connector.get("kv_connector") == KVSVC["kv_connector"] or not cpu_has_amx():
+        return {}
+    return {"PYTHONPATH": f"{AMX_SITE}{os.pathsep}{ROOT}"}
+
+
 class Engine:
     """One vLLM engine (LLM) in a process of its own; generate() returns its outputs."""
 
@@ -147,6 +161,7 @@ class Engine:
             env.pop(var, None)
         if connector and connector.get("kv_connector") == "NixlConnector":
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_ports(tp))
+        env.update(amx_site(connector))  # a connector other than kvsvc's, on a CPU with AMX
         self.log = logs / f"{name}.log"
         n = 1
         while self.log.exists():  # an engine started again under the same name keeps the first one's log

@@ -18,8 +18,7 @@ from typing import Any
 
 import requests
 
-from kvsvc.integrations.amx import cpu_has_amx
-from tests.vllm.engines import KVSVC, ROOT, _free_port, assert_servers_gone, kernel_block_size
+from tests.vllm.engines import ROOT, _free_port, amx_site, assert_servers_gone, kernel_block_size
 
 
 def _group_states(pgid: int) -> dict[int, str]:
@@ -151,18 +150,6 @@ def vllm_serve(name: str, model: Path, logs: Path, connector: dict[str, Any] | N
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "VLLM_SERVER_DEV_MODE": "1", **amx_site(connector), **(env or {})}
     return Served(name, argv, logs, port, env)
-
-
-AMX_SITE = Path(__file__).resolve().parent / "amx_site"
-
-
-def amx_site(connector: dict[str, Any] | None) -> dict[str, str]:
-    """PYTHONPATH for a PD engine whose connector is not kvsvc's, on a CPU with AMX: its
-    processes ask for AMX tile data at start (amx_site/sitecustomize.py), as kvsvc's connector
-    does in its worker -- else its decode worker dies on its first, one-token forward."""
-    if not connector or connector.get("kv_connector") == KVSVC["kv_connector"] or not cpu_has_amx():
-        return {}
-    return {"PYTHONPATH": f"{AMX_SITE}{os.pathsep}{ROOT}"}
 
 
 def router(logs: Path, prefill: Served, decode: Served, *extra_args: str) -> Served:

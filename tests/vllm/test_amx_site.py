@@ -17,8 +17,7 @@ import sys
 import pytest
 
 from kvsvc.integrations.amx import cpu_has_amx
-from tests.vllm.engines import KVSVC, NIXL, ROOT
-from tests.vllm.served import AMX_SITE, amx_site
+from tests.vllm.engines import AMX_SITE, KVSVC, NIXL, ROOT, amx_site
 
 HOLDS = "import json\nfrom kvsvc.integrations.amx import amx_permitted\nprint(json.dumps(amx_permitted()))"
 
