@@ -101,8 +101,8 @@ def _fields(msg: Message, field: str) -> dict[str, Any]:
 
 
 # Limits of a kind's message, whatever the kind: each dimension (a sliding window is a token
-# count, not a dimension), nested messages (Mamba's states) and the dimensions of a shape.
-_NOT_A_DIM = frozenset({"sliding_window_tokens", "dtype"})
+# count, a page a byte count, not dimensions), nested messages (Mamba's states) and the dimensions of a shape.
+_NOT_A_DIM = frozenset({"sliding_window_tokens", "dtype", "page_size_bytes"})  # a page: the kind checks it
 MAX_NESTED = 16
 MAX_SHAPE_DIMS = 8
 

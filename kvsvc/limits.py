@@ -30,6 +30,8 @@ MAX_NUM_BLOCKS = 1 << 24
 """Largest pool, in blocks per rank."""
 MAX_DIM = 1 << 16
 """Largest head count, head size, block size or state dimension."""
+MAX_STATE_PAGE_BYTES = 1 << 30
+"""Largest page a Mamba layer's states are padded to (MambaSpec.page_size_bytes)."""
 MAX_NUM_TOKENS = MAX_BLOCK_IDS * MAX_DIM
 """Longest request, tokens (every block id of a request at the largest block size)."""
 MAX_WAIT_MS = 60_000

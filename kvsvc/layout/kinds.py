@@ -13,6 +13,7 @@ reference bytes (verify.py).
 from __future__ import annotations
 
 import enum
+import itertools
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from kvsvc.layout.specs import (
     per_rank_heads,
 )
 from kvsvc.layout.violation import Violation, violation
+from kvsvc.limits import MAX_STATE_PAGE_BYTES
 from kvsvc.reasons import Reason
 
 
@@ -321,7 +323,7 @@ class Mamba(KindPolicy[MambaSpec]):
     spec_type = MambaSpec
     family = SpecFamily.SSM
     table_kind = "mamba"
-    table_keys = frozenset({"kind", "dtype", "states"})
+    table_keys = frozenset({"kind", "dtype", "states", "page_size_bytes"})
     blocks_cover_tokens = False
     state_keys = frozenset({"shape", "dtype"})
 
@@ -343,22 +345,31 @@ class Mamba(KindPolicy[MambaSpec]):
                                       {"state_dim0": full[0], "tp_size": tp_size})
             shapes.append((full[0] // tp_size, *full[1:]))
         dtypes = tuple(DType.parse(st["dtype"]) if "dtype" in st else dtype for st in states)
-        return MambaSpec(block, tuple(shapes), dtypes)
+        return MambaSpec(block, tuple(shapes), dtypes, table_int(d, "page_size_bytes", 0, where))
 
     wire_kind = "mamba"
 
     def to_wire(self, spec: MambaSpec) -> dict[str, Any]:
-        return {"states": [{"shape": list(s), "dtype": d} for s, d in zip(spec.shapes, spec.dtypes, strict=True)]}
+        return {"states": [{"shape": list(s), "dtype": d} for s, d in zip(spec.shapes, spec.dtypes, strict=True)],
+                "page_size_bytes": spec.page_bytes}
 
     def from_wire(self, fields: Mapping[str, Any], block: int) -> KVCacheSpec:
         states = fields.get("states", [])
         return MambaSpec(block, tuple(tuple(st.get("shape", ())) for st in states),
-                         tuple(st["dtype"] for st in states))
+                         tuple(st["dtype"] for st in states), int(fields.get("page_size_bytes", 0)))
 
     def allocations(self, spec: MambaSpec, memory_order: KvMemoryLayout,
                     region_layout: RegionLayout) -> list[Allocation]:
-        return [Allocation(length, (Part(RegionKind.SSM_STATE, 0, length, elements=tuple(shape), dtype=dtype),))
-                for length, shape, dtype in zip(spec.state_bytes(), spec.shapes, spec.dtypes, strict=True)]
+        parts = zip(spec.state_bytes(), spec.shapes, spec.dtypes, strict=True)
+        if not spec.page_bytes:  # each state packed in a region of its own
+            return [Allocation(length, (Part(RegionKind.SSM_STATE, 0, length, elements=tuple(shape), dtype=dtype),))
+                    for length, shape, dtype in parts]
+        # One page per block, the states back to back at its start (the engine pads the rest):
+        # still a region per state, each stepping by the page.
+        offsets = itertools.accumulate(spec.state_bytes(), initial=0)
+        return [Allocation(spec.page_bytes, tuple(
+            Part(RegionKind.SSM_STATE, at, length, elements=tuple(shape), dtype=dtype)
+            for at, (length, shape, dtype) in zip(offsets, parts, strict=False)))]
 
     def check(self, spec: MambaSpec, where: str, total_num_kv_heads: int,
               tp_size: int | None) -> list[FieldViolation]:
@@ -366,6 +377,10 @@ class Mamba(KindPolicy[MambaSpec]):
             return [FieldViolation(where + ".states", "needs one dtype per state shape, at least one")]
         if any(d <= 0 for s in spec.shapes for d in s) or any(not s for s in spec.shapes):
             return [FieldViolation(where + ".states", "state dimensions must be positive")]
+        held = sum(spec.state_bytes())
+        if spec.page_bytes and not held <= spec.page_bytes <= MAX_STATE_PAGE_BYTES:
+            return [FieldViolation(where + ".page_size_bytes", f"is {spec.page_bytes}: a page holds the states' "
+                                   f"{held} bytes and is at most {MAX_STATE_PAGE_BYTES} (0: packed)")]
         return []
 
     def compare(self, layer: str, ls: MambaSpec, rs: MambaSpec) -> list[Violation]:

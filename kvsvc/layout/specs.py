@@ -97,17 +97,21 @@ class SlidingWindowSpec(AttentionSpec):
 
 @dataclass(frozen=True, slots=True)
 class MambaSpec(KVCacheSpec):
-    """Mamba (SSM) state: per-rank shapes (first dim sharded across TP) and dtypes."""
+    """Mamba (SSM) state: per-rank shapes (first dim sharded across TP) and dtypes.
+
+    page_bytes: 0 for states each packed in a region of their own; else a block's states
+    lie back to back at the start of a page of this many bytes (an engine's padded page)."""
 
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[DType, ...] = ()
+    page_bytes: int = 0
 
     def state_bytes(self) -> tuple[int, ...]:
         """Bytes of each state tensor of one block on one rank."""
         return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=True))
 
     def page_size_bytes(self) -> int:
-        return sum(self.state_bytes())
+        return self.page_bytes or sum(self.state_bytes())
 
 
 @dataclass(frozen=True, slots=True)

@@ -395,10 +395,12 @@ class MambaStateSpec(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class MambaSpec(_message.Message):
-    __slots__ = ("states",)
+    __slots__ = ("states", "page_size_bytes")
     STATES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedCompositeFieldContainer[MambaStateSpec]
-    def __init__(self, states: _Optional[_Iterable[_Union[MambaStateSpec, _Mapping]]] = ...) -> None: ...
+    page_size_bytes: int
+    def __init__(self, states: _Optional[_Iterable[_Union[MambaStateSpec, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
     __slots__ = ("layer_name", "spec")
