@@ -168,7 +168,9 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
                 lease_ttl_ms=extra.lease_ttl_ms or (int(float(ttl) * 1000) if ttl else 0),
                 lease_heartbeat_s=extra.lease_heartbeat_s, stream_block_size=block_size,
                 not_streamable=not_streamable,
-                stream_groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1)
+                stream_groups=len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1,
+                carries_state=any(type(g.kv_cache_spec).__name__ == "MambaSpec"
+                                  for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

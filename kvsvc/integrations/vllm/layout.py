@@ -19,6 +19,7 @@ or pad pages are refused with what to set instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from kvsvc.errors import FailedPrecondition
 from kvsvc.integrations.description import CacheDescription, LayerGroup, numbered_groups
 from kvsvc.layout.engine import EngineLayout, KvMemoryLayout, RegionLayout
-from kvsvc.layout.specs import DType, FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
+from kvsvc.layout.specs import DType, FullAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from kvsvc.reasons import Reason
 
 _DTYPES = {"torch.bfloat16": DType.BFLOAT16, "torch.float16": DType.FLOAT16, "torch.float32": DType.FLOAT32,
@@ -50,9 +51,12 @@ def _refuse(message: str, **meta: object) -> FailedPrecondition:
 
 
 def _dtype(t: Any) -> DType:
-    name = str(t.dtype)
+    return _dtype_of(str(t.dtype))
+
+
+def _dtype_of(name: str, layer: str = "") -> DType:
     if name not in _DTYPES:
-        raise _refuse(f"KV dtype {name} is not supported", dtype=name)
+        raise _refuse(f"KV dtype {name} is not supported" + (f" (layer {layer})" if layer else ""), dtype=name)
     return _DTYPES[name]
 
 
@@ -108,6 +112,45 @@ def _latent_views(name: str, t: Any, spec: Any) -> LayerViews:
     return LayerViews([view], "latent", "HND", int(view.shape[1]), int(view.shape[0]))
 
 
+def _state_views(name: str, t: Any, spec: Any) -> tuple[list[Any], int]:
+    """A Mamba layer's state regions (each state's bytes of every block) and its page (bytes
+    from one block to the next). vLLM hands a hybrid model's Mamba layer to a connector as the
+    raw bytes of its pages, [blocks, ..., state bytes] stepping by the page it padded to the
+    attention page; the states lie back to back at each page's start, in the spec's order."""
+    lens = [math.prod(shape) * _dtype_of(str(dt), name).itemsize for shape, dt in zip(spec.shapes, spec.dtypes,
+                                                                                      strict=True)]
+    e = t.element_size()
+    flat = t.flatten(1) if t.dim() > 1 else None
+    if flat is None or int(flat.shape[1]) * e != sum(lens) or not flat[0].is_contiguous():
+        raise _refuse(f"Mamba layer {name}: tensor of shape {tuple(t.shape)} does not hold its states' {sum(lens)} "
+                      f"bytes a block (states {list(spec.shapes)})", layer=name, shape=tuple(t.shape))
+    raw = flat if e == 1 else flat.view(torch_uint8())  # byte offsets: a view of the bytes
+    offsets = [sum(lens[:i]) for i in range(len(lens))]
+    return [raw[:, at:at + n] for at, n in zip(offsets, lens, strict=True)], int(t.stride(0)) * e
+
+
+def torch_uint8() -> Any:
+    import torch  # the engine's process has it; kvsvc's pure layers do not import it
+
+    return torch.uint8
+
+
+def _mamba_spec(name: str, spec: Any, block: int, page: int) -> MambaSpec:
+    """kvsvc's spec of a vLLM Mamba group, refused where kvsvc cannot move its state whole:
+    state kept per block for prefix caching (mamba_cache_mode other than "none") or
+    scratch blocks for speculative decoding."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "none":
+        raise _refuse(f"Mamba group {name}: vLLM keeps its state with mamba_cache_mode {mode!r}; kvsvc moves a "
+                      "hybrid model's state with 'none' (run it with --no-enable-prefix-caching)",
+                      group=name, mamba_cache_mode=mode)
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise _refuse(f"Mamba group {name}: speculative decoding's state blocks are not moved by kvsvc",
+                      group=name, num_speculative_blocks=spec.num_speculative_blocks)
+    dtypes = tuple(_dtype_of(str(dt), name) for dt in spec.dtypes)
+    return MambaSpec(block, tuple(tuple(int(d) for d in shape) for shape in spec.shapes), dtypes, page)
+
+
 def _blocks_per_logical(name: str, spec: Any, kernel_block: int) -> int:
     if kernel_block <= 0 or spec.block_size % kernel_block:
         raise _refuse(f"layer {name}: kernel blocks of {kernel_block} tokens do not divide vLLM's block of "
@@ -141,16 +184,24 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
     buffers: list[Any] = []
     region = memory = None
     facts: dict[str, Any] = {}  # what every layer must share: blocks, dtype, kernel block, split
+    pages: dict[int, int] = {}  # per Mamba group, its page (every layer's the same)
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         spec, names = group.kv_cache_spec, list(group.layer_names)
         kind = type(spec).__name__
-        if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"):
+        if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec"):
             raise _refuse(f"KV cache group {gi} is {kind}; kvsvc's vLLM connector moves full, sliding-window "
-                          "and MLA attention", group=gi, spec=kind)
+                          "and MLA attention and Mamba state", group=gi, spec=kind)
         for name in names:
             if name not in kv_caches:
                 raise _refuse(f"layer {name} of group {gi} has no KV tensor", layer=name)
             t = kv_caches[name]
+            if kind == "MambaSpec":
+                views, page = _state_views(name, t, spec)
+                if pages.setdefault(gi, page) != page or facts.setdefault("blocks", int(t.shape[0])) != t.shape[0]:
+                    raise _refuse(f"Mamba layer {name}: {t.shape[0]} pages of {page} bytes, unlike the other layers",
+                                  layer=name, blocks=int(t.shape[0]), page_bytes=page)
+                buffers.extend(views)
+                continue
             lv = _latent_views(name, t, spec) if kind == "MLAAttentionSpec" else _attention_views(name, t, spec)
             if lv.region_layout != "latent":
                 if (region or lv.region_layout, memory or lv.memory_layout) != (lv.region_layout, lv.memory_layout):
@@ -167,7 +218,13 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
         groups.append((f"g{gi}", kind, spec, len(names)))
     if not groups:
         raise _refuse("the engine has no KV cache groups")
+    if "kernel block" not in facts:
+        raise _refuse("the engine has no attention layer: kvsvc moves Mamba state beside attention (hybrid models)")
     per_logical = facts["kernel blocks per block"]
+    if pages and per_logical > 1:
+        raise _refuse(f"the attention backend splits each block into {per_logical} kernel blocks; a hybrid model's "
+                      f"Mamba pages are vLLM's blocks: run it with --block-size equal to the kernel block "
+                      f"({facts['kernel block']})", kernel_block=facts["kernel block"])
     if per_logical > 1 and dcp_size > 1:
         raise _refuse(f"decode context parallelism interleaves tokens by vLLM's block, and the attention backend "
                       f"splits each block into {per_logical} kernel blocks: run DCP with --block-size equal to "
@@ -176,7 +233,9 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
     block, dtype = facts["kernel block"], facts["dtype"]
     layout = EngineLayout(
         model_id=model_id, total_num_kv_heads=total_num_kv_heads, block_size=block, num_blocks=facts["blocks"],
-        groups=numbered_groups([LayerGroup(name, _spec(kind, spec, block, dtype), n) for name, kind, spec, n in groups]),
+        groups=numbered_groups([LayerGroup(name, _mamba_spec(name, spec, block, pages[gi]) if kind == "MambaSpec"
+                                           else _spec(kind, spec, block, dtype), n)
+                                for gi, (name, kind, spec, n) in enumerate(groups)]),
         kv_memory_layout=KvMemoryLayout(memory or "HND"), region_layout=RegionLayout(region or "split_kv"),
         dcp_size=dcp_size)
     return CacheDescription(layout, buffers, per_logical)

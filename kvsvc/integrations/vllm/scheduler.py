@@ -37,8 +37,11 @@ class KvsvcScheduler:
     def __init__(self, *, engine_id: str, tp_size: int, dcp_size: int, is_producer: bool,
                  lease_ttl_ms: int = 0,
                  lease_heartbeat_s: float = LEASE_HEARTBEAT_S, stream_block_size: int = 0,
-                 not_streamable: str = "", stream_groups: int = 1) -> None:
+                 not_streamable: str = "", stream_groups: int = 1, carries_state: bool = False) -> None:
+        """carries_state: the model keeps Mamba state (a hybrid): P leaves the prompt's last
+        token to D (state_backoff)."""
         self.engine_id = engine_id
+        self.carries_state = carries_state
         self.tp_size = tp_size
         self.dcp_size = dcp_size
         self.is_producer = is_producer
@@ -77,6 +80,8 @@ class KvsvcScheduler:
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
+            if self.carries_state:
+                leave_last_token(request, params)
             self._produce(request, params)  # a streamed request's lease opens now, empty
         if kvparams.is_kvsvc(request.kv_transfer_params) and self.lease_heartbeat_s > 0:
             self._queued.add(request.request_id)
@@ -101,8 +106,30 @@ class KvsvcScheduler:
         if stream_params.is_streamed(params):
             remote = remote or request.num_prompt_tokens
             self._prefix_tokens[request.request_id] = num_computed_tokens
+        if self.carries_state and not self._state_usable(request, params, remote):
+            # D computes the whole prompt: no transfer (one with no local blocks would still
+            # need one for the state), and P's lease goes now, not at the end of its TTL.
+            self._stop_keeping(request.request_id)
+            self._meta.abandon[request.request_id] = dict(params)
+            params["do_remote_prefill"] = False
+            return 0, False
         count = min(remote, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _state_usable(self, request: Any, params: dict[str, Any], remote: int) -> bool:
+        """Whether D can continue from P's Mamba state: a state is of every token P computed,
+        so P must have left D at least the last prompt token (leave_last_token), and the
+        state's bytes split across TP only as kvsvc's contiguous shards, which vLLM's conv
+        state is not: equal TP sizes only. Anything else is recomputed, never read."""
+        remote_tp = int((params.get(kvparams.KEY) or {}).get("remote_tp_size") or params.get("tp_size") or 0)
+        why = ""
+        if remote >= request.num_prompt_tokens:
+            why = f"P's state covers {remote} tokens of a {request.num_prompt_tokens}-token prompt (D must compute the last)"
+        elif remote_tp != self.tp_size:
+            why = f"P runs TP {remote_tp} and D TP {self.tp_size}: kvsvc moves Mamba state between equal TP sizes"
+        if why:
+            log.warning("kvsvc: %s recomputes its prompt: %s", request.request_id, why)
+        return not why
 
     def _produce(self, request: Any, params: dict[str, Any]) -> None:
         """P: a request a decode engine will continue -- streamed when a router sent it to D
@@ -267,3 +294,21 @@ class KvsvcScheduler:
         return kvparams.pending_params(engine_id=self.engine_id, request_id=request_id, block_ids=order.block_ids,
                                        servers=servers, token=order.lease_token, num_tokens=order.num_tokens,
                                        tp_size=self.tp_size, dcp_size=self.dcp_size)
+
+
+def leave_last_token(request: Any, params: dict[str, Any]) -> None:
+    """P, for a model with Mamba state: prefill all of the prompt but its last token, so the
+    state P leases is of the tokens D loads and D computes the last one from it (a state of
+    the whole prompt would take in the last token twice). As vLLM's NixlConnector does;
+    once per request (a preempted request comes back with its prompt already cut), never
+    to an empty prompt."""
+    if params.get(_LEFT_LAST) or request.num_prompt_tokens <= 1 or request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params[_LEFT_LAST] = True
+
+
+_LEFT_LAST = "kvsvc_left_last_token"  # in P's copy of the request's params: cut once
