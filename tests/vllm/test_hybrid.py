@@ -31,6 +31,7 @@ from tests.vllm.compare import same
 from tests.vllm.engines import Engines, kvsvc
 from tests.vllm.prompts import PROMPTS
 from tests.vllm.test_connector import disaggregated
+from tests.vllm.test_hetero_tp import against_nixl_connector
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -84,6 +85,13 @@ def test_a_hybrid_model_equals_the_aggregated_run(hybrid_engines: Engines):
     assert after["loaded"] - before["loaded"] == len(prompts) and after["failed"] == before["failed"], after
     # Each load read its request's state (and attention blocks): none was recomputed instead.
     assert after["bytes"] - before["bytes"] >= len(prompts) * state_bytes_per_request(), (before, after)
+
+
+@pytest.mark.full  # make test-full: two more pairs of engines
+def test_a_hybrid_model_equals_vllms_nixl_connector_one_request_at_a_time(hybrid_engines: Engines):
+    # The exact oracle: NixlConnector splits the prompt as kvsvc does (P all but the last
+    # token, D that one from P's state), so one request at a time the logprobs are equal.
+    against_nixl_connector(hybrid_engines, 1, 1, [[p] for p in PROMPTS[3:9]])
 
 
 # ---- the rules, on fakes (each a failure path the engines above do not take) -----------------
