@@ -159,7 +159,7 @@ def test_p_leaves_the_prompts_last_token_to_d_once():
     assert one.num_prompt_tokens == 1 and one.prompt_token_ids == [5]
 
 
-@pytest.mark.parametrize(("remote", "remote_tp", "loads"), [(9, 1, 9), (10, 1, 0), (9, 2, 0), (4, 1, 4)])
+@pytest.mark.parametrize(("remote", "remote_tp", "loads"), [(9, 1, 9), (10, 1, 0), (9, 2, 0), (4, 1, 4), (0, 1, 0)])
 def test_d_continues_only_from_a_state_of_tokens_it_does_not_compute(remote, remote_tp, loads):
     sched = KvsvcScheduler(engine_id="d", tp_size=1, dcp_size=1, is_producer=False, lease_heartbeat_s=0,
                            carries_state=True)

@@ -10,6 +10,10 @@ reads a token row at a time, more descriptors for the same bytes). MLA is the
 latent [blocks, tokens, head_size] (or with a head axis of one). Also read: the split K/V
 tensors [2, blocks, tokens, heads, head_size] some backends allocate.
 
+A hybrid model's Mamba layer comes as the raw bytes of its state pages, [blocks, ..., state
+bytes], a page apart (vLLM pads the state page to the attention page): a region per state,
+each stepping by the page (MambaSpec.page_size_bytes).
+
 A backend's kernel block may be smaller than vLLM's block (vLLM then splits each block
 into blocks_per_logical kernel blocks, dim 0 counting kernel blocks): kvsvc's layout then
 uses the kernel block, and the connector turns vLLM's block ids into kernel block ids
@@ -124,12 +128,12 @@ def _state_views(name: str, t: Any, spec: Any) -> tuple[list[Any], int]:
     if flat is None or int(flat.shape[1]) * e != sum(lens) or not flat[0].is_contiguous():
         raise _refuse(f"Mamba layer {name}: tensor of shape {tuple(t.shape)} does not hold its states' {sum(lens)} "
                       f"bytes a block (states {list(spec.shapes)})", layer=name, shape=tuple(t.shape))
-    raw = flat if e == 1 else flat.view(torch_uint8())  # byte offsets: a view of the bytes
+    raw = flat if e == 1 else flat.view(_torch_uint8())  # byte offsets: a view of the bytes
     offsets = [sum(lens[:i]) for i in range(len(lens))]
     return [raw[:, at:at + n] for at, n in zip(offsets, lens, strict=True)], int(t.stride(0)) * e
 
 
-def torch_uint8() -> Any:
+def _torch_uint8() -> Any:
     import torch  # the engine's process has it; kvsvc's pure layers do not import it
 
     return torch.uint8

@@ -39,7 +39,7 @@ class KvsvcScheduler:
                  lease_heartbeat_s: float = LEASE_HEARTBEAT_S, stream_block_size: int = 0,
                  not_streamable: str = "", stream_groups: int = 1, carries_state: bool = False) -> None:
         """carries_state: the model keeps Mamba state (a hybrid): P leaves the prompt's last
-        token to D (state_backoff)."""
+        token to D (leave_last_token), and D reads only a state it can continue from."""
         self.engine_id = engine_id
         self.carries_state = carries_state
         self.tp_size = tp_size
@@ -123,7 +123,9 @@ class KvsvcScheduler:
         state is not: equal TP sizes only. Anything else is recomputed, never read."""
         remote_tp = int((params.get(kvparams.KEY) or {}).get("remote_tp_size") or params.get("tp_size") or 0)
         why = ""
-        if remote >= request.num_prompt_tokens:
+        if remote <= 0:
+            why = "P's params give no token count"
+        elif remote >= request.num_prompt_tokens:
             why = f"P's state covers {remote} tokens of a {request.num_prompt_tokens}-token prompt (D must compute the last)"
         elif remote_tp != self.tp_size:
             why = f"P runs TP {remote_tp} and D TP {self.tp_size}: kvsvc moves Mamba state between equal TP sizes"
