@@ -14,7 +14,7 @@ import pytest
 
 from kvsvc.codec import layout_from_proto, layout_to_proto
 from kvsvc.errors import InvalidArgument
-from kvsvc.layout import simple_layout
+from kvsvc.layout import check_compatibility, simple_layout
 from kvsvc.limits import MAX_STATE_PAGE_BYTES
 from kvsvc.mapping import Side, plan_rank
 
@@ -89,3 +89,17 @@ def test_a_plan_reads_each_state_whole_into_the_same_state(d_tp, d_page, p_tp, p
                 mine = whole[d_rank * d_len:(d_rank + 1) * d_len]
                 at = where(d, layer, st, 9, d_page)
                 assert np.array_equal(d_mem[at:at + d_len], mine), (layer, st)
+
+
+def test_a_state_kept_transposed_on_one_side_is_refused_not_read():
+    # vLLM keeps the conv state [state, dim] (SD) or [dim, state] (DS) as its CPU's features or
+    # the connector decide: the same bytes, read as the other, would be a silently wrong state.
+    def side(conv: list[int]) -> Side:
+        ssm = {"name": "ssm", "kind": "mamba", "num_layers": 1, "page_size_bytes": 65536,
+               "states": [{"shape": conv, "dtype": "bfloat16"}, {"shape": [8, 32, 16], "dtype": "float32"}]}
+        return Side.of(simple_layout(tp_size=1, kv_heads=2, num_layers=1, head_size=8, extra_groups=[ssm]), 1)
+
+    sd, ds = side([3, 288]), side([288, 3])
+    found = check_compatibility(sd.layout, 1, ds.layout, 1)
+    assert [v.reason for v in found] == ["SSM_SHAPE_MISMATCH"], found
+    assert not check_compatibility(sd.layout, 1, side([3, 288]).layout, 1)

@@ -30,6 +30,7 @@ from kvsvc.memory.pools import RegionBuffersPool
 from tests.vllm.compare import same
 from tests.vllm.engines import Engines, kvsvc
 from tests.vllm.prompts import PROMPTS
+from tests.vllm.served import completion, router, tokens_and_logprobs, vllm_serve
 from tests.vllm.test_connector import disaggregated
 from tests.vllm.test_hetero_tp import against_nixl_connector
 
@@ -92,6 +93,41 @@ def test_a_hybrid_model_equals_vllms_nixl_connector_one_request_at_a_time(hybrid
     # The exact oracle: NixlConnector splits the prompt as kvsvc does (P all but the last
     # token, D that one from P's state), so one request at a time the logprobs are equal.
     against_nixl_connector(hybrid_engines, 1, 1, [[p] for p in PROMPTS[3:9]])
+
+
+@pytest.mark.full  # make test-full: two served engines and the router
+def test_a_hybrid_served_through_the_router_pulled_and_asked_to_stream(hybrid_engines: Engines, tmp_path: Path):
+    # Served as a user would (vllm serve, kvsvc's router): pulled, D reads P's state; with
+    # --progressive the router sends the request to P and D at once, P does not stream a
+    # hybrid, and D recomputes it and gives P's lease up -- the answers are the same.
+    prompts = PROMPTS[4:7]
+    (agg,) = hybrid_engines.get(("hy-agg", 1, None))
+    want = [agg.generate([p], 8)[0]["token_ids"] for p in prompts]
+    hybrid_engines.drop("hy-agg")
+    args = ("--no-enable-prefix-caching", "--dtype", "float32")
+    p = vllm_serve("hy-serve-p", hybrid_engines.model, tmp_path, kvsvc("kv_producer"), extra_args=args)
+    d = vllm_serve("hy-serve-d", hybrid_engines.model, tmp_path, kvsvc("kv_consumer"), extra_args=args)
+    procs = [p, d]
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        pulled = router(tmp_path, p, d)
+        streamed = router(tmp_path, p, d, "--progressive")
+        procs += [pulled, streamed]
+        pulled.wait_ready(60)
+        streamed.wait_ready(60)
+        got = [tokens_and_logprobs(pulled.post("/v1/completions", completion(q, 8)))["token_ids"] for q in prompts]
+        assert got == want
+        read = d.metrics().get("vllm:kvsvc_bytes_transferred_sum", 0.0)
+        assert read >= len(prompts) * state_bytes_per_request(), (read, d.tail())
+        # The streaming router's first request to P goes pulled (it learns P's servers); the rest ask to stream.
+        got = [tokens_and_logprobs(streamed.post("/v1/completions", completion(q, 8)))["token_ids"] for q in prompts]
+        assert got == want
+        assert "recomputes its prompt" in d.tail(400), d.tail()
+        assert p.blocks_all_free() and d.blocks_all_free(), (p.tail(), d.tail())
+    finally:
+        for s in procs:
+            s.stop()
 
 
 # ---- the rules, on fakes (each a failure path the engines above do not take) -----------------
