@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -47,25 +49,51 @@ def test_nothing_outlives_a_harness_that_is_killed():
     assert len(inits) == 2 and _ours(child.pid)
     # Kill only once the host's `sleep 600` runs: setpriv sets its parent-death signal just
     # before it execs, and a parent killed before that moment is not seen by the child
-    # (it then lives on, reparented). A CI run once killed the harness that early.
-    deadline = time.monotonic() + 10
-    while subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode != 0:
-        assert time.monotonic() < deadline, "the host's sleep never started"
-        time.sleep(0.05)
+    # (it then lives on, reparented). A CI run once killed the harness that early. Its pid,
+    # as the harness's child: another `sleep 600` on the machine is not this one.
+    sleep = _started(child.pid, "^sleep 600$")
     child.send_signal(signal.SIGKILL)
-    child.wait(10)
+    child.wait(GONE_S)
     child.stdout.close()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in inits) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in inits), "a host's processes outlived the harness"
-    # Its parent's death sent it SIGKILL; it may take a moment to be gone.
-    while subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode == 0 and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True).returncode != 0
+    # Their parents' deaths sent them SIGKILL; waited for as each exits (a pidfd), not polled
+    # against a short deadline: on a loaded host a 10 s poll once still found the sleep running.
+    assert not _outliving(inits), "a host's processes outlived the harness"
+    assert not _outliving([sleep]), "the host's sleep outlived the harness"
     removed = remove_stale()
     assert f"kvb{child.pid}" in removed and not _ours(child.pid)
+
+
+# Bounds on waits for what a correct harness does at once; reached only if it is broken.
+GONE_S = 120.0
+
+
+def _started(parent: int, pattern: str) -> int:
+    """The pid of parent's child whose command line matches pattern, once it runs."""
+    deadline = time.monotonic() + GONE_S
+    while True:
+        found = subprocess.run(["pgrep", "-P", str(parent), "-f", pattern], capture_output=True, text=True)
+        if found.returncode == 0:
+            return int(found.stdout.split()[0])
+        assert time.monotonic() < deadline, f"no child of {parent} matching {pattern!r} started"
+        time.sleep(0.05)
+
+
+def _outliving(pids: list[int]) -> list[int]:
+    """Those of pids still running after waiting up to GONE_S for each to exit (on its pidfd)."""
+    fds: dict[int, int] = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds[pid] = os.pidfd_open(pid)
+    try:
+        deadline = time.monotonic() + GONE_S
+        waiting = dict(fds)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(list(waiting.values()), [], [], left)
+            waiting = {pid: fd for pid, fd in waiting.items() if fd not in ready}
+        return [pid for pid in pids if _alive(pid)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:
