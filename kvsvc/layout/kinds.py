@@ -366,10 +366,10 @@ class Mamba(KindPolicy[MambaSpec]):
                     for length, shape, dtype in parts]
         # One page per block, the states back to back at its start (the engine pads the rest):
         # still a region per state, each stepping by the page.
-        offsets = itertools.accumulate(spec.state_bytes(), initial=0)
+        offsets = itertools.accumulate(spec.state_bytes()[:-1], initial=0)
         return [Allocation(spec.page_bytes, tuple(
             Part(RegionKind.SSM_STATE, at, length, elements=tuple(shape), dtype=dtype)
-            for at, (length, shape, dtype) in zip(offsets, parts, strict=False)))]
+            for at, (length, shape, dtype) in zip(offsets, parts, strict=True)))]
 
     def check(self, spec: MambaSpec, where: str, total_num_kv_heads: int,
               tp_size: int | None) -> list[FieldViolation]:
