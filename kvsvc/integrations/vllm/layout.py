@@ -23,7 +23,8 @@ or pad pages are refused with what to set instead.
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -116,20 +117,19 @@ def _latent_views(name: str, t: Any, spec: Any) -> LayerViews:
     return LayerViews([view], "latent", "HND", int(view.shape[1]), int(view.shape[0]))
 
 
-def _state_views(name: str, t: Any, spec: Any) -> tuple[list[Any], int]:
+def _state_views(name: str, t: Any, spec: MambaSpec) -> tuple[list[Any], int]:
     """A Mamba layer's state regions (each state's bytes of every block) and its page (bytes
     from one block to the next). vLLM hands a hybrid model's Mamba layer to a connector as the
     raw bytes of its pages, [blocks, ..., state bytes] stepping by the page it padded to the
     attention page; the states lie back to back at each page's start, in the spec's order."""
-    lens = [math.prod(shape) * _dtype_of(str(dt), name).itemsize for shape, dt in zip(spec.shapes, spec.dtypes,
-                                                                                      strict=True)]
+    lens = spec.state_bytes()
     e = t.element_size()
     flat = t.flatten(1) if t.dim() > 1 else None
     if flat is None or int(flat.shape[1]) * e != sum(lens) or not flat[0].is_contiguous():
         raise _refuse(f"Mamba layer {name}: tensor of shape {tuple(t.shape)} does not hold its states' {sum(lens)} "
                       f"bytes a block (states {list(spec.shapes)})", layer=name, shape=tuple(t.shape))
     raw = flat if e == 1 else flat.view(_torch_uint8())  # byte offsets: a view of the bytes
-    offsets = [sum(lens[:i]) for i in range(len(lens))]
+    offsets = itertools.accumulate(lens[:-1], initial=0)
     return [raw[:, at:at + n] for at, n in zip(offsets, lens, strict=True)], int(t.stride(0)) * e
 
 
@@ -139,10 +139,10 @@ def _torch_uint8() -> Any:
     return torch.uint8
 
 
-def _mamba_spec(name: str, spec: Any, block: int, page: int) -> MambaSpec:
-    """kvsvc's spec of a vLLM Mamba group, refused where kvsvc cannot move its state whole:
-    state kept per block for prefix caching (mamba_cache_mode other than "none") or
-    scratch blocks for speculative decoding."""
+def _mamba_spec(name: str, spec: Any, block: int) -> MambaSpec:
+    """kvsvc's spec of a vLLM Mamba group (its page set once the layers' tensors say it),
+    refused where kvsvc cannot move its state whole: state kept per block for prefix caching
+    (mamba_cache_mode other than "none") or scratch blocks for speculative decoding."""
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "none":
         raise _refuse(f"Mamba group {name}: vLLM keeps its state with mamba_cache_mode {mode!r}; kvsvc moves a "
@@ -152,7 +152,7 @@ def _mamba_spec(name: str, spec: Any, block: int, page: int) -> MambaSpec:
         raise _refuse(f"Mamba group {name}: speculative decoding's state blocks are not moved by kvsvc",
                       group=name, num_speculative_blocks=spec.num_speculative_blocks)
     dtypes = tuple(_dtype_of(str(dt), name) for dt in spec.dtypes)
-    return MambaSpec(block, tuple(tuple(int(d) for d in shape) for shape in spec.shapes), dtypes, page)
+    return MambaSpec(block, tuple(tuple(int(d) for d in shape) for shape in spec.shapes), dtypes)
 
 
 def _blocks_per_logical(name: str, spec: Any, kernel_block: int) -> int:
@@ -188,22 +188,25 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
     buffers: list[Any] = []
     region = memory = None
     facts: dict[str, Any] = {}  # what every layer must share: blocks, dtype, kernel block, split
-    pages: dict[int, int] = {}  # per Mamba group, its page (every layer's the same)
+    states: dict[int, MambaSpec] = {}  # per Mamba group, kvsvc's spec (with the page every layer has)
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         spec, names = group.kv_cache_spec, list(group.layer_names)
         kind = type(spec).__name__
         if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec"):
             raise _refuse(f"KV cache group {gi} is {kind}; kvsvc's vLLM connector moves full, sliding-window "
                           "and MLA attention and Mamba state", group=gi, spec=kind)
+        if kind == "MambaSpec":
+            states[gi] = _mamba_spec(f"g{gi}", spec, 0)
         for name in names:
             if name not in kv_caches:
                 raise _refuse(f"layer {name} of group {gi} has no KV tensor", layer=name)
             t = kv_caches[name]
             if kind == "MambaSpec":
-                views, page = _state_views(name, t, spec)
-                if pages.setdefault(gi, page) != page or facts.setdefault("blocks", int(t.shape[0])) != t.shape[0]:
+                views, page = _state_views(name, t, states[gi])
+                if states[gi].page_bytes not in (0, page) or facts.setdefault("blocks", int(t.shape[0])) != t.shape[0]:
                     raise _refuse(f"Mamba layer {name}: {t.shape[0]} pages of {page} bytes, unlike the other layers",
                                   layer=name, blocks=int(t.shape[0]), page_bytes=page)
+                states[gi] = dataclasses.replace(states[gi], page_bytes=page)
                 buffers.extend(views)
                 continue
             lv = _latent_views(name, t, spec) if kind == "MLAAttentionSpec" else _attention_views(name, t, spec)
@@ -225,7 +228,7 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
     if "kernel block" not in facts:
         raise _refuse("the engine has no attention layer: kvsvc moves Mamba state beside attention (hybrid models)")
     per_logical = facts["kernel blocks per block"]
-    if pages and per_logical > 1:
+    if states and per_logical > 1:
         raise _refuse(f"the attention backend splits each block into {per_logical} kernel blocks; a hybrid model's "
                       f"Mamba pages are vLLM's blocks: run it with --block-size equal to the kernel block "
                       f"({facts['kernel block']})", kernel_block=facts["kernel block"])
@@ -237,7 +240,7 @@ def describe(kv_caches: Mapping[str, Any], kv_cache_config: Any, *, model_id: st
     block, dtype = facts["kernel block"], facts["dtype"]
     layout = EngineLayout(
         model_id=model_id, total_num_kv_heads=total_num_kv_heads, block_size=block, num_blocks=facts["blocks"],
-        groups=numbered_groups([LayerGroup(name, _mamba_spec(name, spec, block, pages[gi]) if kind == "MambaSpec"
+        groups=numbered_groups([LayerGroup(name, dataclasses.replace(states[gi], block_size=block) if gi in states
                                            else _spec(kind, spec, block, dtype), n)
                                 for gi, (name, kind, spec, n) in enumerate(groups)]),
         kv_memory_layout=KvMemoryLayout(memory or "HND"), region_layout=RegionLayout(region or "split_kv"),
